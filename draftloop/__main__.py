@@ -1,0 +1,3 @@
+from draftloop.cli import main
+
+main()

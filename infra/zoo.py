@@ -1,0 +1,325 @@
+"""The model zoo: tiny random-weight targets built locally and deterministically (no hub access).
+
+`create_tiny_model("tiny-llama", out_dir, seed)` writes an ordinary Hugging Face folder
+(config.json, generation_config.json, model.safetensors, tokenizer files with a chat template) that
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline and vLLM (CPU)
+serves. The same recipe and seed give byte-identical files.
+
+Random weights at the usual initializer scale give degenerate greedy output (one token repeated, or
+the same text whatever the prompt). The recipes therefore reshape the initial weights so that the
+target behaves like a noisy, context-dependent Markov chain over its vocabulary: the embedding
+dominates the residual stream (the next token depends strongly on the current one), the decoder
+layers add a smaller context-dependent term (outputs differ between prompts), and special tokens are
+never predicted (continuations run to max_new_tokens). Such a target has structure a drafter can
+learn in a few CPU minutes, which is what the demo and the tests need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Byte-level BPE training parallelism must not change the merges; keep it single-threaded anyway.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|end|>"
+PAD_TOKEN_ID, EOS_TOKEN_ID = 0, 1
+
+# Jinja chat template: one role marker token per message, <|end|> closes every message.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] | trim + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build one tiny target: its HF config (without weights) and its weight reshaping."""
+
+    name: str
+    model_type: str
+    config_fields: dict[str, Any]
+    # Standard deviation of the token embedding relative to the initializer range (see module doc).
+    embedding_std: float
+    # Multiplier on every decoder-layer output projection: the context-dependent share of the stream.
+    layer_output_scale: float
+    lm_head_std: float
+
+    def hf_config(self) -> Any:
+        """The transformers config this recipe builds (cheap: no weights are created)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self.model_type, **self.config_fields)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config_fields["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config_fields["hidden_size"])
+
+
+_COMMON_FIELDS: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "pad_token_id": PAD_TOKEN_ID,
+    "bos_token_id": None,
+    "eos_token_id": EOS_TOKEN_ID,
+    "initializer_range": 0.02,
+    "torch_dtype": "float32",
+    "use_cache": True,
+}
+
+RECIPES: dict[str, Recipe] = {
+    "tiny-llama": Recipe(
+        name="tiny-llama",
+        model_type="llama",
+        config_fields={
+            **_COMMON_FIELDS,
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        embedding_std=1.0,
+        layer_output_scale=1.0,
+        lm_head_std=0.5,
+    ),
+    # DeepSeek-V3 shape (the Kimi-K2 / K2.5 family): MLA attention and a sigmoid-routed MoE.
+    # vLLM's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576, and "noaux_tc" routing
+    # so that it has a parameter for the router's e_score_correction_bias.
+    "tiny-deepseek": Recipe(
+        name="tiny-deepseek",
+        model_type="deepseek_v3",
+        config_fields={
+            **_COMMON_FIELDS,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "num_nextn_predict_layers": 0,
+            "rope_interleave": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        embedding_std=1.0,
+        layer_output_scale=1.0,
+        lm_head_std=0.5,
+    ),
+}
+
+
+class UnknownRecipeError(ValueError):
+    """The recipe name is not in RECIPES."""
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise UnknownRecipeError(f"unknown zoo recipe {name!r}; known: {', '.join(sorted(RECIPES))}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _builtin_prompt_texts() -> list[str]:
+    path = Path(__file__).resolve().parent.parent / "draftloop" / "data" / "prompts.jsonl"
+    texts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            texts.append(str(json.loads(line)["prompt"]))
+    return texts
+
+
+def _generated_corpus(prompt_texts: list[str], seed: int, num_lines: int = 3000) -> list[str]:
+    """Extra seeded text (word salad from the prompts' words, numbers, code-like lines) so the BPE
+    trainer has enough distinct pairs to reach the full vocabulary."""
+    rng = random.Random(seed)
+    words = sorted({w.strip(".,:;?!()").lower() for t in prompt_texts for w in t.split()} - {""})
+    code_lines = [
+        "def {a}({b}):\n    return {b} + {n}",
+        "for {a} in range({n}):\n    print({a})",
+        "if {a} > {n}:\n    {b} = {a} * 2",
+        "let {a} = {n}; // {b}",
+        "SELECT {a} FROM {b} WHERE id = {n};",
+    ]
+    lines = []
+    for _ in range(num_lines):
+        kind = rng.randrange(4)
+        if kind == 0:
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))).capitalize() + ".")
+        elif kind == 1:
+            a, b = rng.choice(words), rng.choice(words)
+            lines.append(rng.choice(code_lines).format(a=a, b=b, n=rng.randint(0, 999)))
+        elif kind == 2:
+            nums = [str(rng.randint(0, 10**rng.randint(1, 6))) for _ in range(rng.randint(2, 6))]
+            lines.append(" + ".join(nums) + " = ?")
+        else:
+            lines.append(rng.choice(prompt_texts))
+    return lines
+
+
+def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE) -> Any:
+    """Train a byte-level BPE tokenizer on the built-in prompts plus seeded generated text and wrap
+    it as a transformers fast tokenizer carrying the chat template and special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    prompt_texts = _builtin_prompt_texts()
+    corpus = prompt_texts + _generated_corpus(prompt_texts, seed)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer reached {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
+    for expected_id, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.token_to_id(token) == expected_id, token
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=_COMMON_FIELDS["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+def _reshape_weights(model: Any, recipe: Recipe, generator: Any) -> None:
+    """Rescale the freshly initialised weights into a learnable, context-dependent regime."""
+    import torch
+
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed.copy_(torch.randn(embed.shape, generator=generator) * recipe.embedding_std)
+        lm_head = model.get_output_embeddings().weight
+        lm_head.copy_(torch.randn(lm_head.shape, generator=generator) * recipe.lm_head_std)
+        # Never predict special tokens: their logits sit far below every ordinary token.
+        lm_head[: len(SPECIAL_TOKENS)] = 0.0
+        if recipe.layer_output_scale != 1.0:
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+                    param.mul_(recipe.layer_output_scale)
+
+
+def _special_token_logit_bias() -> None:  # pragma: no cover - documentation anchor only
+    """(The zero lm_head rows above give special tokens logit 0 while the row norms of ordinary
+    tokens make the greedy maximum positive with overwhelming probability.)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+
+
+def create_tiny_model(recipe: str, out_dir: Path, seed: int = 0) -> Path:
+    """Build the zoo model `recipe` into `out_dir` (replaced atomically if it exists) and return it."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    spec = get_recipe(recipe)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer = build_tokenizer(seed)
+        config = spec.hf_config()
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(seed + 1)
+        _reshape_weights(model, spec, generator)
+        model.generation_config = GenerationConfig(
+            eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
+        )
+        model.save_pretrained(tmp_dir, safe_serialization=True)
+        tokenizer.save_pretrained(tmp_dir)
+        _write_zoo_marker(tmp_dir, recipe, seed)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_zoo_marker(model_dir: Path, recipe: str, seed: int) -> None:
+    """A small record of how the folder was made, so a rebuild can be skipped when it matches."""
+    marker = {"recipe": recipe, "seed": seed}
+    (model_dir / "draftloop_zoo.json").write_text(json.dumps(marker, sort_keys=True) + "\n")
+
+
+def zoo_marker(model_dir: Path) -> dict[str, Any] | None:
+    path = Path(model_dir) / "draftloop_zoo.json"
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def ensure_model(path: Path, recipe: str | None, seed: int = 0) -> Path:
+    """Return `path`, building it from `recipe` first when it is missing (or was built from another
+    recipe/seed). Without a recipe the folder must already exist."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        marker = zoo_marker(path)
+        if recipe is None or marker is None or marker == {"recipe": recipe, "seed": seed}:
+            return path
+    if recipe is None:
+        raise FileNotFoundError(f"model folder {path} does not exist and no zoo recipe was given")
+    return create_tiny_model(recipe, path, seed)
+
+
+RecipeBuilder = Callable[[str, Path, int], Path]
