@@ -13,7 +13,7 @@ import os
 import tempfile
 import traceback
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,10 @@ from typing import Any
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 CHAMPION_ALIAS = "champion"
 # MLflow caps a param value at 6000 characters; long lists (extra_args) are truncated, not refused.
@@ -301,6 +301,8 @@ def evaluate_gate(gate: Any, results: CycleResults, champion_length: float | Non
         elif speedup < gate.min_speedup:
             reasons.append(f"speedup at concurrency 1 is {speedup:.3f} < min_speedup {gate.min_speedup}")
     if gate.require_consistency:
+        if results.lossless is False:
+            reasons.append("greedy outputs of the speculative server differ from the baseline's")
         if results.consistent is None:
             reasons.append("engine/simulator consistency was not measured")
         elif not results.consistent:
@@ -320,7 +322,9 @@ def evaluate_gate(gate: Any, results: CycleResults, champion_length: float | Non
         if champion_length is None:
             notes.append("no current champion to beat")
         elif length is None or length <= champion_length:
-            reasons.append(f"mean acceptance length {length} does not beat the champion's {champion_length:.3f}")
+            reasons.append(
+                f"mean acceptance length {length} does not beat the champion's {champion_length:.3f}"
+            )
     return GateDecision(passed=not reasons, reasons=reasons, notes=notes)
 
 
@@ -379,7 +383,7 @@ def champion_acceptance_length(client: MlflowClient, name: str) -> tuple[str | N
     except MlflowException:
         return None, None
     value = version.tags.get("mean_acceptance_length")
-    return version.version, (float(value) if value not in (None, "", "None") else None)
+    return str(version.version), (float(value) if value not in (None, "", "None") else None)
 
 
 def register_drafter(
@@ -400,10 +404,8 @@ def register_drafter(
     try:
         client.get_registered_model(name)
     except MlflowException:
-        try:
+        with suppress(MlflowException):  # another cycle may have created it meanwhile
             client.create_registered_model(name, description="EAGLE-3 drafters trained by draftloop")
-        except MlflowException:  # another cycle created it meanwhile
-            pass
     previous_version, previous_length = champion_acceptance_length(client, name)
     decision = evaluate_gate(gate_config, results, previous_length)
     version_tags = {k: str(v) for k, v in tags.items()}

@@ -12,6 +12,11 @@ dominates the residual stream (the next token depends strongly on the current on
 layers add a smaller context-dependent term (outputs differ between prompts), and special tokens are
 never predicted (continuations run to max_new_tokens). Such a target has structure a drafter can
 learn in a few CPU minutes, which is what the demo and the tests need.
+
+Measured when the scales were chosen (seed 0, 80 prompts x 48 greedy tokens): a trigram lookup
+table built from 64 continuations predicts 77-78% of the next tokens of the 16 others and reaches a
+mean acceptance length of about 2.6 at k=3, while 74-77 of the 80 continuations are distinct. With
+layer_output_scale 1 nearly half the prompts gave the same text; at 3 the lookup fell to AL 2.2.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,7 +108,7 @@ RECIPES: dict[str, Recipe] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
         embedding_std=1.0,
-        layer_output_scale=1.0,
+        layer_output_scale=2.0,
         lm_head_std=0.5,
     ),
     # DeepSeek-V3 shape (the Kimi-K2 / K2.5 family): MLA attention and a sigmoid-routed MoE.
@@ -142,7 +146,7 @@ RECIPES: dict[str, Recipe] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
         embedding_std=1.0,
-        layer_output_scale=1.0,
+        layer_output_scale=2.0,
         lm_head_std=0.5,
     ),
 }
@@ -156,7 +160,9 @@ def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise UnknownRecipeError(f"unknown zoo recipe {name!r}; known: {', '.join(sorted(RECIPES))}") from None
+        raise UnknownRecipeError(
+            f"unknown zoo recipe {name!r}; known: {', '.join(sorted(RECIPES))}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +199,7 @@ def _generated_corpus(prompt_texts: list[str], seed: int, num_lines: int = 3000)
             a, b = rng.choice(words), rng.choice(words)
             lines.append(rng.choice(code_lines).format(a=a, b=b, n=rng.randint(0, 999)))
         elif kind == 2:
-            nums = [str(rng.randint(0, 10**rng.randint(1, 6))) for _ in range(rng.randint(2, 6))]
+            nums = [str(rng.randint(0, 10 ** rng.randint(1, 6))) for _ in range(rng.randint(2, 6))]
             lines.append(" + ".join(nums) + " = ?")
         else:
             lines.append(rng.choice(prompt_texts))
@@ -247,17 +253,13 @@ def _reshape_weights(model: Any, recipe: Recipe, generator: Any) -> None:
         embed.copy_(torch.randn(embed.shape, generator=generator) * recipe.embedding_std)
         lm_head = model.get_output_embeddings().weight
         lm_head.copy_(torch.randn(lm_head.shape, generator=generator) * recipe.lm_head_std)
-        # Never predict special tokens: their logits sit far below every ordinary token.
+        # Never predict special tokens: a zero row gives logit 0, while the greedy maximum over two
+        # thousand random rows is positive with overwhelming probability.
         lm_head[: len(SPECIAL_TOKENS)] = 0.0
         if recipe.layer_output_scale != 1.0:
             for name, param in model.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
                     param.mul_(recipe.layer_output_scale)
-
-
-def _special_token_logit_bias() -> None:  # pragma: no cover - documentation anchor only
-    """(The zero lm_head rows above give special tokens logit 0 while the row norms of ordinary
-    tokens make the greedy maximum positive with overwhelming probability.)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +322,3 @@ def ensure_model(path: Path, recipe: str | None, seed: int = 0) -> Path:
     if recipe is None:
         raise FileNotFoundError(f"model folder {path} does not exist and no zoo recipe was given")
     return create_tiny_model(recipe, path, seed)
-
-
-RecipeBuilder = Callable[[str, Path, int], Path]

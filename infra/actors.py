@@ -1,0 +1,363 @@
+"""Ray: one `ray.init` per process, and the actors that host heavy kernels work (targets, capture).
+
+Actors never call Prefect or MLflow: in ephemeral Prefect mode every Ray worker would start its own
+temporary Prefect server. They load models, compute, write shards through infra.storage and return
+small results; the driver (the Prefect task) logs and commits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Ray 2.60 turns token auth on and writes ~/.ray/auth_token; a local, in-process cluster needs neither.
+_LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+# Unix socket paths are limited to 107 bytes: keep Ray's session folder short (not under a deep tmp_path).
+_DEFAULT_RAY_TMPDIR = str(Path(tempfile.gettempdir()) / "draftloop-ray")
+
+_started_here = False
+# Called with no arguments right after this process starts a local Ray (the flow records its PIDs).
+RAY_START_CALLBACKS: list[Any] = []
+
+
+def ray_environment(address: str | None) -> dict[str, str]:
+    """Environment Ray needs before `ray.init` (set in os.environ by `ensure_ray`)."""
+    env = {"RAY_TMPDIR": os.environ.get("RAY_TMPDIR", _DEFAULT_RAY_TMPDIR)}
+    if address is None and "RAY_AUTH_TOKEN_PATH" not in os.environ:
+        env.update(_LOCAL_RAY_ENV)
+    return env
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Connect to (or start) Ray once in this process. Returns True when this call started it."""
+    global _started_here
+    import ray
+
+    if ray.is_initialized():
+        return False
+    for key, value in ray_environment(address).items():
+        os.environ.setdefault(key, value)
+    Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    ray.init(
+        address=address,
+        num_cpus=num_cpus if address is None else None,
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        # Tokenizers must not start a thread pool per worker on a 2-core machine.
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+    )
+    _started_here = True
+    for callback in list(RAY_START_CALLBACKS):
+        with suppress(Exception):
+            callback()
+    return True
+
+
+def started_here() -> bool:
+    """True while a Ray this process started (not one it only connected to) is running."""
+    return _started_here
+
+
+def shutdown_ray() -> None:
+    """Stop Ray if this process started it (a cluster we only connected to is left running)."""
+    global _started_here
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _started_here = False
+
+
+@contextmanager
+def ray_session(address: str | None = None) -> Iterator[bool]:
+    started = ensure_ray(address)
+    try:
+        yield started
+    finally:
+        if started:
+            shutdown_ray()
+
+
+def kill_actors(handles: Sequence[Any]) -> None:
+    """Best-effort: stop actors we started (on success, failure and cancellation alike)."""
+    import ray
+
+    for handle in handles:
+        with suppress(Exception):
+            ray.kill(handle, no_restart=True)
+
+
+def remote_options(num_gpus: float, num_cpus: float = 1) -> dict[str, Any]:
+    """Ray resource request from a config's per-stage GPU count (0 on CPU machines)."""
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Synthesis: greedy answers from the Hugging Face target, in bounded batches.
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """(content, reasoning): reasoning models wrap their thinking in <think>...</think>; keep it apart."""
+    found = _THINK.search(text)
+    if found is None:
+        if "</think>" in text:  # template opened <think> in the prompt; only the close is generated
+            reasoning, _, content = text.partition("</think>")
+            return content.strip(), reasoning.strip() or None
+        return text.strip(), None
+    reasoning = found.group(1).strip()
+    content = (text[: found.start()] + text[found.end() :]).strip()
+    return content, reasoning or None
+
+
+@dataclass
+class SynthesisResult:
+    conversations: list[dict[str, Any]]
+    rejected: list[dict[str, str]]
+    generated_tokens: int
+
+
+class TargetGenerator:
+    """Hosts the HF target in one process and answers prompts greedily (a Ray actor in the flow)."""
+
+    def __init__(self, target_path: str, dtype: str = "float32", device: str | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        model: Any = AutoModelForCausalLM.from_pretrained(target_path, dtype=getattr(torch, dtype))
+        self.model: Any = model.to(self.device).eval()
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(
+        self,
+        rows: list[dict[str, str]],
+        max_new_tokens: int,
+        temperature: float,
+        max_length: int,
+        batch_size: int,
+    ) -> SynthesisResult:
+        """Answer `rows` ({"id", "prompt"}); rows that cannot be answered come back in `rejected`."""
+        import torch
+
+        conversations: list[dict[str, Any]] = []
+        rejected: list[dict[str, str]] = []
+        generated = 0
+        usable: list[tuple[dict[str, str], str, int]] = []
+        for row in rows:
+            messages = [{"role": "user", "content": row["prompt"]}]
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as error:  # a template that refuses the message (e.g. roles)
+                rejected.append({"id": row["id"], "reason": f"chat template failed: {error}"})
+                continue
+            prompt_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if prompt_tokens >= max_length - 1:
+                rejected.append(
+                    {
+                        "id": row["id"],
+                        "reason": f"prompt has {prompt_tokens} tokens, data.max_length is {max_length}",
+                    }
+                )
+                continue
+            usable.append((row, str(text), prompt_tokens))
+        eos_ids = self._eos_ids()
+        for start in range(0, len(usable), max(1, batch_size)):
+            batch = usable[start : start + batch_size]
+            budget = min(max_new_tokens, max_length - max(tokens for _, _, tokens in batch))
+            encoded = self.tokenizer(
+                [text for _, text, _ in batch], add_special_tokens=False, padding=True, return_tensors="pt"
+            ).to(self.device)
+            sampling = (
+                {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+            )
+            try:
+                with torch.no_grad():
+                    output = self.model.generate(
+                        **encoded,
+                        max_new_tokens=budget,
+                        pad_token_id=self.tokenizer.pad_token_id,
+                        **sampling,
+                    )
+            except Exception as error:
+                rejected.extend(
+                    {"id": row["id"], "reason": f"generation failed: {error}"} for row, _, _ in batch
+                )
+                continue
+            new_tokens = output[:, encoded["input_ids"].shape[1] :]
+            for (row, _, _), ids in zip(batch, new_tokens.tolist(), strict=True):
+                kept: list[int] = []
+                for token in ids:
+                    if token in eos_ids:
+                        break
+                    kept.append(token)
+                generated += len(kept)
+                answer = str(self.tokenizer.decode(kept, skip_special_tokens=True))
+                content, reasoning = split_reasoning(answer)
+                if not content:
+                    rejected.append({"id": row["id"], "reason": "empty answer"})
+                    continue
+                conversations.append(
+                    {
+                        "id": row["id"],
+                        "messages": [
+                            {"role": "user", "content": row["prompt"]},
+                            {"role": "assistant", "content": content},
+                        ],
+                        "reasoning": reasoning,
+                    }
+                )
+        return SynthesisResult(conversations, rejected, generated)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(value) for value in source)
+        if self.tokenizer.pad_token_id is not None:
+            ids.add(int(self.tokenizer.pad_token_id))
+        return ids
+
+
+def remote_target_generator(num_gpus: float) -> Any:
+    """`TargetGenerator` as a Ray actor class with the stage's resource request."""
+    import ray
+
+    return ray.remote(**remote_options(num_gpus))(TargetGenerator)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extraction: the target's aux hidden states for each conversation, packed into shards.
+
+
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict[str, str]], max_length: int
+) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a conversation through the chat template; 1 marks assistant tokens.
+
+    Each assistant turn's tokens are those the template adds after the prefix that ends with the
+    generation prompt; truncated to `max_length`.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn in range(len(messages)):
+        if messages[turn]["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:turn], add_generation_prompt=True, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[: turn + 1], tokenize=False)
+        prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        through_ids = tokenizer(through, add_special_tokens=False)["input_ids"]
+        if through_ids[: len(prefix_ids)] != prefix_ids:
+            # The template re-renders earlier turns differently: fall back to a per-turn split by length.
+            prefix_ids = through_ids[: len(prefix_ids)]
+        new_prompt = prefix_ids[len(ids) :]
+        ids.extend(new_prompt)
+        mask.extend([0] * len(new_prompt))
+        answer = through_ids[len(prefix_ids) :]
+        ids.extend(answer)
+        mask.extend([1] * len(answer))
+    return ids[:max_length], mask[:max_length]
+
+
+class HiddenStateExtractor:
+    """Hosts the HF target and captures aux + final hidden states (a Ray actor in the flow)."""
+
+    def __init__(
+        self,
+        target_path: str,
+        aux_layer_ids: Sequence[int],
+        convention: str,
+        dtype: str = "float32",
+        device: str | None = None,
+    ) -> None:
+        import torch
+        from draftloop.kernels.layer_ids import LayerIds, normalize_convention
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, dtype)
+        self.target_path = target_path
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path)
+        model: Any = AutoModelForCausalLM.from_pretrained(target_path, dtype=self.dtype)
+        self.model: Any = model.to(self.device).eval()
+        self.layer_ids = LayerIds(tuple(int(i) for i in aux_layer_ids), normalize_convention(convention)).to(
+            "layer_input"
+        )
+        # Hooks capture from one process; keep the thread count to what Ray gave this actor.
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+    def ready(self) -> bool:
+        return True
+
+    def extract(
+        self,
+        conversations: list[dict[str, Any]],
+        shard_prefix: str,
+        samples_per_shard: int,
+        max_length: int,
+        batch_size: int = 4,
+    ) -> dict[str, Any]:
+        """Capture every conversation: {"shards": [(name, bytes, rows)], "tokens", "skipped", "seconds"}.
+
+        Forward passes, device-to-host copies and shard packing overlap (kernels.extract); shards come
+        back as bytes for the driver to commit in one manifest.
+        """
+        import torch
+        from draftloop.kernels.extract import extract_hidden_states
+        from draftloop.kernels.shards import shard_to_bytes
+
+        skipped: list[dict[str, str]] = []
+        samples: list[dict[str, Any]] = []
+        for row in conversations:
+            ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
+            if sum(mask) == 0:
+                skipped.append({"id": row["id"], "reason": "no assistant tokens within data.max_length"})
+                continue
+            samples.append(
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.long),
+                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                }
+            )
+        batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+        shards: dict[str, tuple[bytes, int]] = {}
+
+        def sink(name: str, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
+            shards[name] = (shard_to_bytes(tensors, metadata), int(tensors["seq_offsets"].shape[0]) - 1)
+
+        stats = extract_hidden_states(
+            self.model,
+            batches,
+            self.layer_ids,
+            sink,
+            target_name=self.target_path,
+            samples_per_shard=samples_per_shard,
+            shard_prefix=shard_prefix,
+            store_dtype=self.dtype,
+        )
+        ordered = [(name, *shards[name]) for name in stats.shard_names]
+        return {"shards": ordered, "tokens": stats.tokens, "skipped": skipped, "seconds": stats.seconds}
+
+
+def remote_hidden_state_extractor(num_gpus: float) -> Any:
+    import ray
+
+    return ray.remote(**remote_options(num_gpus))(HiddenStateExtractor)

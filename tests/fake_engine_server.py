@@ -1,0 +1,152 @@
+"""A stand-in engine server for fast lifecycle and evaluation tests (no vLLM).
+
+Speaks the parts of the OpenAI/vLLM HTTP surface draftloop uses: /health, /v1/models, /metrics (vLLM's
+spec-decode counter names), /v1/chat/completions and streaming /v1/completions. Its greedy "model" is
+deterministic in the prompt, so two fake servers agree (lossless) unless --perturb is given.
+
+Modes: ok | fatal (logs a fatal line, then hangs) | exit (dies during start-up) | slow (never ready).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+COUNTERS = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": [0.0, 0.0, 0.0]}
+LOCK = threading.Lock()
+
+
+def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[str]:
+        # --perturb changes the speculative server's outputs only (a lossy "speculation").
+        seed = sum(prompt_ids) + (args.perturb if args.speculative else 0)
+        return [f"w{(seed * 31 + i * 7) % 97} " for i in range(max_tokens)]
+
+    def observe(num_tokens: int) -> None:
+        if not args.speculative:
+            return
+        k = 3
+        with LOCK:
+            # Per draft: accept position i with the configured per-position rates.
+            drafts = max(1, num_tokens // 2)
+            COUNTERS["drafts"] += drafts
+            COUNTERS["draft_tokens"] += drafts * k
+            for i, rate in enumerate(args.per_pos):
+                COUNTERS["per_pos"][i] += drafts * rate
+                COUNTERS["accepted"] += drafts * rate
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt: str, *a: object) -> None:
+            sys.stdout.write("INFO: " + fmt % a + "\n")
+            sys.stdout.flush()
+
+        def _json(self, code: int, body: object) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._json(200, {})
+            elif self.path == "/v1/models":
+                self._json(200, {"data": [{"id": args.served_model_name}]})
+            elif self.path == "/metrics":
+                with LOCK:
+                    lines = [
+                        "# HELP vllm:num_requests_running x",
+                        'vllm:num_requests_running{engine="0"} 0.0',
+                    ]
+                    if args.speculative:
+                        lines += [
+                            "# TYPE vllm:spec_decode_num_drafts_total counter",
+                            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="t"}} {COUNTERS["drafts"]}',
+                            f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {COUNTERS["draft_tokens"]}',
+                            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {COUNTERS["accepted"]}',
+                            'vllm:spec_decode_num_accepted_tokens_created{engine="0"} 1.7e9',
+                        ]
+                        for i, value in enumerate(COUNTERS["per_pos"]):
+                            lines.append(
+                                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} '
+                                f"{value}"
+                            )
+                body = ("\n".join(lines) + "\n").encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self._json(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(length) or b"{}")
+            max_tokens = int(body.get("max_tokens", 16))
+            if self.path == "/v1/chat/completions":
+                words = generate([len(m["content"]) for m in body["messages"]], max_tokens)
+                observe(len(words))
+                self._json(200, {"choices": [{"message": {"role": "assistant", "content": "".join(words)}}]})
+                return
+            if self.path != "/v1/completions":
+                self._json(404, {"error": "not found"})
+                return
+            words = generate(list(body["prompt"]), max_tokens)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for word in words:
+                time.sleep(args.token_delay)
+                chunk = {"choices": [{"index": 0, "text": word}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            observe(len(words))
+            final = {"choices": [], "usage": {"completion_tokens": len(words), "prompt_tokens": 1}}
+            self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.flush()
+
+    return Handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", default="ok")
+    parser.add_argument("--served-model-name", default="target")
+    parser.add_argument("--speculative", action="store_true")
+    parser.add_argument("--per-pos", type=float, nargs=3, default=[0.6, 0.4, 0.2])
+    parser.add_argument("--perturb", type=int, default=0)
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--startup-delay", type=float, default=0.5)
+    args = parser.parse_args()
+    print("INFO: fake engine starting", flush=True)
+    time.sleep(args.startup_delay)
+    if args.mode == "fatal":
+        print("Traceback (most recent call last):", flush=True)
+        print('  File "x.py", line 1, in <module>', flush=True)
+        print(
+            "(EngineCore pid=1) ERROR 11-29 09:00:00 [core.py:1] ValueError: No common block size for 16 "
+            "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
+            flush=True,
+        )
+        time.sleep(600)
+        return
+    if args.mode == "exit":
+        print("fake engine: giving up", flush=True)
+        sys.exit(3)
+    if args.mode == "slow":
+        time.sleep(600)
+        return
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args))
+    print(f"INFO: fake engine listening on {args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Session fixtures for the flow tests: one Prefect test server, one small config, one shared cycle.
+
+Imported by tests/conftest.py. The first cycle is run once per session and shared: the cache test
+re-runs it, the full-cycle test reads its summary, the deployment test re-runs it through a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
+
+
+@dataclass
+class FlowEnv:
+    workdir: Path
+    config_path: Path
+    api_url: str
+    env: dict[str, str]  # what a subprocess needs to reach the same Prefect server and state
+
+
+def small_config(workdir: Path, target_dir: Path) -> dict[str, Any]:
+    """configs/tiny-llama.yaml shrunk so a whole cycle takes a few CPU minutes."""
+    config: dict[str, Any] = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
+    config["name"] = "flow-test"
+    config["target"]["path"] = str(target_dir)
+    config["data"].update({"num_samples": 24, "eval_prompts": 4})
+    config["synthesis"].update({"max_new_tokens": 32})
+    config["extraction"].update({"samples_per_shard": 8})
+    config["training"].update({"epochs": 2, "batch_size": 8, "ttt_length": 3})
+    config["engine"]["python"] = str(VLLM_PYTHON)
+    config["evaluation"].update({"max_tokens": 32, "concurrency": [1, 4]})
+    config["storage"]["root"] = str(workdir / "runs")
+    config["tracking"].update(
+        {"mlflow_uri": f"sqlite:///{workdir}/mlflow.db", "artifact_root": str(workdir / "mlartifacts")}
+    )
+    return config
+
+
+@pytest.fixture(scope="session")
+def flow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowEnv]:
+    """A Prefect test server and an isolated state folder for every flow test of the session."""
+    workdir = tmp_path_factory.mktemp("flow")
+    env = {
+        "DRAFTLOOP_STATE_DIR": str(workdir / "state"),
+        "PREFECT_HOME": str(workdir / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    (workdir / "prefect").mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        from prefect.settings import PREFECT_API_URL
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            api_url = str(PREFECT_API_URL.value())
+            config_path = workdir / "flow-test.yaml"
+            config_path.write_text(yaml.safe_dump(small_config(workdir, workdir / "models" / "tiny-llama")))
+            yield FlowEnv(workdir, config_path, api_url, {**env, "PREFECT_API_URL": api_url})
+
+
+def cycle_until() -> str:
+    """The last stage of the longest runnable prefix of the cycle (all five once every piece landed)."""
+    from draftloop.tasks._stage import STAGES, stage_availability
+
+    missing = stage_availability()
+    until = STAGES[0]
+    for stage in STAGES:
+        if missing[stage]:
+            break
+        until = stage
+    return until
+
+
+def run_cycle_in_process(
+    env: FlowEnv, overrides: dict[str, Any] | None = None, until: str | None = None
+) -> tuple[dict[str, Any], float]:
+    """Run the cycle (as far as it can go, or to `until`) through the real flow; (summary, seconds)."""
+    from draftloop.flows import stages
+    from draftloop.flows.train_and_eval import TrainAndEvalParams, train_and_eval
+
+    params = TrainAndEvalParams(config=str(env.config_path), overrides=overrides or {})
+    until = until or cycle_until()
+    chosen: Any = train_and_eval if until == "register" else getattr(stages, f"{until}_flow")
+    started = time.perf_counter()
+    summary: dict[str, Any] = chosen(params)
+    return summary, time.perf_counter() - started
+
+
+@pytest.fixture(scope="session")
+def first_cycle(flow_env: FlowEnv) -> tuple[dict[str, Any], float]:
+    """The session's one uncached cycle."""
+    return run_cycle_in_process(flow_env)
+
+
+def no_ray_left(pgid: int) -> list[str]:
+    """Processes still alive in process group `pgid` (what a SIGKILL test must not leave behind)."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(f"{proc.name} {(proc / 'cmdline').read_bytes()[:120]!r}")
+    return alive
+
+
+def subprocess_env(env: FlowEnv) -> dict[str, str]:
+    return {**os.environ, **env.env}

@@ -1,0 +1,553 @@
+"""Engine layer without a real engine: command lines, export conventions, metric parsing on recorded
+outputs, fatal-log detection, the plugin's patch logic, and server lifecycle/evaluation on a fake server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fixtures_engine import (
+    SGLANG_CHAT_RESPONSE_NEWER,
+    SGLANG_GENERATE_RESPONSE,
+    SGLANG_METRICS,
+    VLLM_LOG_BENIGN,
+    VLLM_LOG_NO_COMMON_BLOCK,
+    VLLM_LOG_WORKER_TRACEBACK,
+    VLLM_METRICS_AFTER,
+    VLLM_METRICS_BEFORE,
+    fake_engine,
+    write_config,
+)
+
+from draftloop.infra.engines.base import (
+    EngineConfigError,
+    EngineSettings,
+    SpecCounters,
+    get_engine,
+    known_engines,
+)
+from draftloop.infra.engines.server import EngineServer, EngineStartError, clean_stale_servers
+from draftloop.infra.evaluate import (
+    VERDICT_FAULT,
+    VERDICT_OK,
+    VERDICT_WEAK,
+    DrafterPairingError,
+    SimulatorFigures,
+    check_drafter_pairing,
+    decide_verdict,
+    evaluate,
+)
+from draftloop.kernels.layer_ids import LayerIds
+
+PLUGIN_DIR = Path(__file__).resolve().parent.parent / "infra" / "engines" / "vllm_plugin_pkg"
+
+
+@pytest.fixture(scope="module")
+def plugin_patches() -> Any:
+    sys.path.insert(0, str(PLUGIN_DIR))
+    try:
+        import draftloop_vllm_plugin.patches as patches
+
+        yield patches
+    finally:
+        sys.path.remove(str(PLUGIN_DIR))
+
+
+# ------------------------------------------------------------------------------------------------
+# Registry and command lines
+
+
+def test_registry_knows_both_engines_and_refuses_unknown() -> None:
+    assert {"vllm", "sglang"} <= set(known_engines())
+    assert get_engine("vllm").kind == "vllm"
+    assert get_engine("SGLang").kind == "sglang"
+    with pytest.raises(EngineConfigError, match="engine.kind"):
+        get_engine("tgi")
+
+
+def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
+    engine = get_engine("vllm", EngineSettings(python="/env/bin/python", num_speculative_tokens=4))
+    baseline = engine.server_command(Path("/m"), 8123, served_model_name="target")
+    assert baseline[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--speculative-config" not in baseline
+    for flag, value in (
+        ("--host", "127.0.0.1"),
+        ("--port", "8123"),
+        ("--dtype", "float32"),
+        ("--max-model-len", "1024"),
+    ):
+        assert baseline[baseline.index(flag) + 1] == value
+    assert "--enforce-eager" in baseline
+    spec = engine.server_command(Path("/m"), 8123, served_model_name="target", drafter_dir=Path("/d"))
+    config = json.loads(spec[spec.index("--speculative-config") + 1])
+    assert config == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}
+    env = engine.server_env(tmp_path)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
+    assert env["VLLM_PLUGINS"] == "draftloop_vllm_plugin"
+    gpu = get_engine("vllm", EngineSettings(num_gpus=1)).server_env(tmp_path)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu and "LD_PRELOAD" not in gpu
+
+
+def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
+    engine = get_engine(
+        "sglang", EngineSettings(kind="sglang", python="/sg/bin/python", num_speculative_tokens=3)
+    )
+    argv = engine.server_command(Path("/m"), 30000, served_model_name="t", drafter_dir=Path("/d"))
+    assert argv[:3] == ["/sg/bin/python", "-m", "sglang.launch_server"]
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert value("--speculative-algorithm") == "EAGLE3"
+    assert value("--speculative-draft-model-path") == "/d"
+    assert value("--speculative-num-steps") == "3"
+    assert value("--speculative-eagle-topk") == "1"
+    assert value("--speculative-num-draft-tokens") == "4"
+    assert "--enable-metrics" in argv and value("--host") == "127.0.0.1"
+    baseline = engine.server_command(Path("/m"), 30000, served_model_name="t")
+    assert "--speculative-algorithm" not in baseline
+
+
+def test_export_uses_each_engines_layer_id_convention(tmp_path: Path) -> None:
+    from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+
+    target_config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256, "hidden_act": "silu", "rope_theta": 10000.0,
+    }  # fmt: skip
+    trained = LayerIds((1, 3, 5), "layer_input")
+    drafter = Eagle3Drafter(DrafterConfig.for_target(target_config, trained))
+    vllm, sglang = get_engine("vllm"), get_engine("sglang")
+    vllm_dir = vllm.export_drafter(drafter, tmp_path / "vllm")
+    sglang_dir = sglang.export_drafter(drafter, tmp_path / "sglang")
+    vllm_ids = vllm.drafter_layer_ids(vllm_dir)
+    sglang_ids = sglang.drafter_layer_ids(sglang_dir)
+    assert vllm_ids == LayerIds((1, 3, 5), "layer_input")
+    # SGLang numbers by layer OUTPUT: the same tensors are one lower.
+    assert sglang_ids == LayerIds((0, 2, 4), "layer_output")
+    assert sglang_ids is not None and sglang_ids.as_input() == trained.ids
+    nested = json.loads((sglang_dir / "config.json").read_text())["eagle_config"]
+    assert nested["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def test_vllm_metrics_parse_and_difference() -> None:
+    engine = get_engine("vllm")
+    before = engine.parse_metrics(VLLM_METRICS_BEFORE)
+    after = engine.parse_metrics(VLLM_METRICS_AFTER)
+    assert before == SpecCounters(10, 30, 12, (7, 4, 1))
+    assert after is not None and before is not None
+    delta = after - before
+    assert delta == SpecCounters(100, 300, 150, (70, 50, 30))
+    assert delta.acceptance_rate == pytest.approx(0.5)
+    assert delta.mean_acceptance_length == pytest.approx(2.5)
+    assert delta.per_position_acceptance == pytest.approx([0.7, 0.5, 0.3])
+    assert engine.parse_metrics('vllm:num_requests_running{engine="0"} 0.0\n') is None
+
+
+def test_sglang_counters_from_recorded_responses() -> None:
+    engine = get_engine("sglang", EngineSettings(kind="sglang", num_speculative_tokens=3))
+    old = engine.counters_from_response(SGLANG_GENERATE_RESPONSE)
+    # 32 tokens in 12 verify steps: 20 accepted drafts, acceptance length 32/12.
+    assert old == SpecCounters(12, 36, 20, ())
+    assert old is not None and old.mean_acceptance_length == pytest.approx(32 / 12)
+    newer = engine.counters_from_response(SGLANG_CHAT_RESPONSE_NEWER)
+    assert newer is not None
+    assert (newer.num_drafts, newer.num_draft_tokens, newer.num_accepted_tokens) == (10, 30, 20)
+    # histogram [1,2,3,4] (steps accepting 0..3 drafts) -> position i accepted by steps with j > i.
+    assert newer.accepted_per_position == (9, 7, 4)
+    assert engine.parse_metrics(SGLANG_METRICS) is None
+    assert engine.parse_gauges(SGLANG_METRICS) == {
+        "sglang:spec_accept_length": 2.5,
+        "sglang:spec_accept_rate": 0.5,
+    }
+    assert engine.request_extras() == {"return_meta_info": True}
+    assert engine.counters_from_response({"choices": [{"text": "x"}]}) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Fatal log patterns
+
+
+def test_fatal_patterns_on_recorded_logs() -> None:
+    engine = get_engine("vllm")
+    found = engine.find_fatal(VLLM_LOG_NO_COMMON_BLOCK)
+    assert found is not None and found[0].name == "no_common_block_size"
+    assert "MLA" in found[0].hint
+    found = engine.find_fatal(VLLM_LOG_WORKER_TRACEBACK)
+    assert found is not None and found[0].name == "exception" and "draft_id_to_target_id" in found[1]
+    assert (
+        engine.find_fatal("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+        is not None
+    )
+    assert engine.find_fatal("NCCL error in: ../group.cpp:1, unhandled system error")[0].name == "nccl"  # type: ignore[index]
+
+
+def test_bare_exception_line_without_traceback_is_not_fatal(tmp_path: Path) -> None:
+    # The server's check only trusts an exception line that ends a traceback.
+    server = EngineServer(fake_engine(), tmp_path, tmp_path)
+    assert server._fatal_in_log(VLLM_LOG_BENIGN) is None
+    assert server._fatal_in_log(VLLM_LOG_BENIGN + VLLM_LOG_WORKER_TRACEBACK) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Plugin patch logic (no vLLM needed)
+
+
+def test_whitelist_patch_on_a_pydantic_config_like_older_vllm(plugin_patches: Any) -> None:
+    from pydantic import model_validator
+    from pydantic.dataclasses import dataclass as pyd_dataclass
+
+    class Text:
+        def __init__(self, model_type: str) -> None:
+            self.model_type = model_type
+
+    class Target:
+        def __init__(self, model_type: str) -> None:
+            self.hf_text_config = Text(model_type)
+
+    @pyd_dataclass(config={"arbitrary_types_allowed": True})
+    class OldSpeculativeConfig:
+        method: str
+        target_model_config: Any = None
+
+        @model_validator(mode="after")
+        def _verify_args(self) -> OldSpeculativeConfig:
+            eagle3_target_supported = ["llama", "qwen", "minicpm", "gpt_oss"]
+            if (
+                self.method == "eagle3"
+                and self.target_model_config
+                and not any(
+                    s in self.target_model_config.hf_text_config.model_type for s in eagle3_target_supported
+                )
+            ):
+                raise ValueError(
+                    f"Eagle3 is only supported for {eagle3_target_supported} models. "
+                    f"Got {self.target_model_config.hf_text_config.model_type=}"
+                )
+            return self
+
+    with pytest.raises(ValueError, match="only supported"):
+        OldSpeculativeConfig(method="eagle3", target_model_config=Target("kimi_k2"))
+    name = plugin_patches.find_whitelist_validator(OldSpeculativeConfig)
+    assert name == "_verify_args"
+    wrapped = plugin_patches.wrap_whitelist_validator(
+        getattr(OldSpeculativeConfig, name), ("kimi_k2", "deepseek_v3")
+    )
+    plugin_patches.install_validator(OldSpeculativeConfig, name, wrapped)
+    assert OldSpeculativeConfig(method="eagle3", target_model_config=Target("kimi_k2")).method == "eagle3"
+    assert OldSpeculativeConfig(method="eagle3", target_model_config=Target("deepseek_v3")).method == "eagle3"
+    with pytest.raises(ValueError, match="only supported"):  # others are still refused
+        OldSpeculativeConfig(method="eagle3", target_model_config=Target("gpt2"))
+
+
+class _ResidualLayer(torch.nn.Module):
+    """vLLM Llama-style: (positions, hidden_states, residual) -> (hidden_states, residual)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> Any:
+        stream = hidden_states if residual is None else hidden_states + residual
+        return self.linear(stream), stream
+
+
+class _PlainLayer(torch.nn.Module):
+    """Layers without the residual split (StableLM-style): the stream is hidden_states."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> Any:
+        hidden_states.mul_(1.0)  # an in-place op on the input, as fused kernels do
+        return hidden_states + self.linear(hidden_states), None
+
+
+def _toy_model_class(layer_cls: type, residual_style: bool) -> type:
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList([layer_cls(i) for i in range(5)])
+
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            hidden, residual = self.embed_tokens(input_ids), None
+            self.inputs = []
+            for layer in self.layers:
+                if residual_style:
+                    self.inputs.append(hidden if residual is None else hidden + residual)
+                    hidden, residual = layer(positions, hidden, residual)
+                else:
+                    self.inputs.append(hidden.clone())
+                    hidden, _ = layer(positions, hidden)
+            return hidden if residual is None else hidden + residual
+
+    class ToyForCausalLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Inner()
+
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids, positions)
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden
+
+    return ToyForCausalLM
+
+
+@pytest.mark.parametrize("layer_cls,residual_style", [(_ResidualLayer, True), (_PlainLayer, False)])
+def test_eagle3_enabler_returns_the_inputs_of_the_chosen_layers(
+    plugin_patches: Any, layer_cls: type, residual_style: bool
+) -> None:
+    cls = _toy_model_class(layer_cls, residual_style)
+    assert plugin_patches.eagle3_support(cls) == "plugin:eagle3_enabler"
+    enabled = plugin_patches.enable_eagle3(cls)
+    assert enabled is not cls and enabled.__name__ == cls.__name__ and enabled.supports_eagle3
+    assert plugin_patches.enable_eagle3(cls) is enabled  # one subclass per class
+    assert plugin_patches.eagle3_support(enabled) == "plugin:eagle3_enabler"
+    model = enabled()
+    ids, positions = torch.tensor([1, 2, 3]), torch.arange(3)
+    plain = model(ids, positions)
+    assert isinstance(plain, torch.Tensor)  # no aux layers set: forward unchanged
+    assert model.get_eagle3_default_aux_hidden_state_layers() == (2, 2, 2)
+    model.set_aux_hidden_state_layers((3, 1, 4))
+    hidden, aux = model(ids, positions)
+    assert torch.equal(hidden, plain)
+    expected = model.model.inputs
+    assert len(aux) == 3
+    for captured, layer_index in zip(aux, (1, 3, 4), strict=True):  # id order, layer_input convention
+        assert torch.allclose(captured, expected[layer_index])
+    with pytest.raises(ValueError, match="out of range"):
+        model.set_aux_hidden_state_layers((1, 2, 9))
+
+
+def test_enabler_leaves_native_classes_alone(plugin_patches: Any) -> None:
+    class Native(torch.nn.Module):
+        supports_eagle3 = True
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden
+
+    assert plugin_patches.enable_eagle3(Native) is Native
+    assert plugin_patches.eagle3_support(Native) == "native"
+
+
+def test_kimi_media_placeholder_alias(plugin_patches: Any) -> None:
+    from types import SimpleNamespace
+
+    kimi = SimpleNamespace(model_type="kimi_k25", media_placeholder_token_id=163605)
+    assert plugin_patches.add_media_placeholder_alias(kimi) is True
+    assert kimi.image_token_index == 163605
+    llama = SimpleNamespace(model_type="llama")
+    assert plugin_patches.add_media_placeholder_alias(llama) is False
+    assert not hasattr(llama, "image_token_index")
+
+
+# ------------------------------------------------------------------------------------------------
+# Pairing refusal and verdicts
+
+
+def test_standard_attention_drafter_on_mla_target_is_refused(tmp_path: Path) -> None:
+    target = write_config(tmp_path / "t", {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512})
+    llama_drafter = write_config(
+        tmp_path / "d", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}
+    )
+    with pytest.raises(DrafterPairingError) as info:
+        check_drafter_pairing(target, llama_drafter)
+    message = str(info.value)
+    assert "No common block size" in message and "MLA" in message and "Eagle3DeepseekV2ForCausalLM" in message
+    mla_drafter = write_config(
+        tmp_path / "m", {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "kv_lora_rank": 512}
+    )
+    check_drafter_pairing(target, mla_drafter)  # accepted
+    llama_target = write_config(tmp_path / "l", {"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(DrafterPairingError):
+        check_drafter_pairing(llama_target, mla_drafter)
+
+
+def test_verdicts_separate_integration_faults_from_weak_drafters() -> None:
+    common = {"tolerance": 0.05, "min_acceptance_length": 1.5}
+    verdict, _ = decide_verdict(
+        engine_rate=0.42, simulator_rate=0.44, lossless=True, mean_acceptance_length=2.3, **common
+    )
+    assert verdict == VERDICT_OK
+    verdict, reasons = decide_verdict(
+        engine_rate=0.10, simulator_rate=0.44, lossless=True, mean_acceptance_length=1.3, **common
+    )
+    assert verdict == VERDICT_FAULT and "0.100" in reasons[0] and "0.440" in reasons[0]
+    verdict, _ = decide_verdict(
+        engine_rate=0.10, simulator_rate=0.12, lossless=True, mean_acceptance_length=1.3, **common
+    )
+    assert verdict == VERDICT_WEAK
+    verdict, reasons = decide_verdict(
+        engine_rate=0.4, simulator_rate=0.4, lossless=False, mean_acceptance_length=2.2, **common
+    )
+    assert verdict == VERDICT_FAULT and "differ" in reasons[0]
+    assert (
+        decide_verdict(
+            engine_rate=None, simulator_rate=0.4, lossless=True, mean_acceptance_length=None, **common
+        )[0]
+        == VERDICT_FAULT
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Server lifecycle on the fake engine
+
+
+def _target(tmp_path: Path) -> Path:
+    return write_config(tmp_path / "target", {"architectures": ["LlamaForCausalLM"]})
+
+
+def test_server_starts_answers_and_stops_its_process_group(tmp_path: Path) -> None:
+    server = EngineServer(fake_engine(), _target(tmp_path), tmp_path / "run", name="baseline")
+    with server:
+        assert server.startup_s is not None and server.startup_s < 30
+        assert server.smoke_test().content.strip()
+        record = json.loads(server.pidfile.read_text())
+        assert record["pid"] == server.pid
+        pid = server.pid
+        assert pid is not None
+    assert not server.pidfile.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert "fake engine listening" in server.log_path.read_text()
+
+
+def test_fatal_log_line_fails_fast_with_excerpt(tmp_path: Path) -> None:
+    server = EngineServer(fake_engine("--mode", "fatal"), _target(tmp_path), tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        with server:
+            pass
+    elapsed = time.monotonic() - started
+    assert elapsed < 15, elapsed
+    assert info.value.pattern == "no_common_block_size"
+    assert "No common block size" in str(info.value) and "CPU_MLA" in info.value.log_excerpt
+    assert server.process is not None and server.process.poll() is not None  # stopped, not left hanging
+
+
+def test_server_exit_during_startup_fails_fast(tmp_path: Path) -> None:
+    server = EngineServer(fake_engine("--mode", "exit"), _target(tmp_path), tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="exited with code 3") as info:
+        with server:
+            pass
+    assert time.monotonic() - started < 15
+    assert "giving up" in info.value.log_excerpt
+
+
+def test_startup_timeout_stops_the_server(tmp_path: Path) -> None:
+    server = EngineServer(fake_engine("--mode", "slow", timeout_s=3), _target(tmp_path), tmp_path / "run")
+    with pytest.raises(EngineStartError, match="not ready after"):
+        with server:
+            pass
+    assert server.process is not None and server.process.poll() is not None
+
+
+def test_stale_server_of_a_crashed_run_is_killed_on_next_start(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = EngineServer(fake_engine(), _target(tmp_path), run_dir, name="baseline")
+    first.start()
+    first.wait_ready()
+    stale_pid = first.pid
+    assert stale_pid is not None
+    # Simulate a crashed orchestrator: the server lives on, its pidfile stays behind.
+    from draftloop.infra.engines import server as server_module
+
+    server_module._LIVE.discard(first)
+    try:
+        assert clean_stale_servers(run_dir) == [stale_pid]
+        first.process.wait(timeout=10)  # type: ignore[union-attr]
+        assert not (run_dir / "engine-servers" / "baseline.json").exists()
+    finally:
+        if first.process is not None and first.process.poll() is None:
+            os.killpg(first.process.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation on the fake engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A target folder with the zoo's tokenizer (the fake engine ignores the weights)."""
+    from draftloop.infra.zoo import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("fake-target")
+    build_tokenizer(0).save_pretrained(folder)
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    return folder
+
+
+def _sim(rate: float) -> SimulatorFigures:
+    return SimulatorFigures(
+        acceptance_rate=rate, mean_acceptance_length=1 + 3 * rate, per_position=[0.6, 0.4, 0.2],
+        num_drafts=10, capture_layer_ids=[1, 3, 5],
+    )  # fmt: skip
+
+
+def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
+    tmp_path: Path, tokenizer_target: Path
+) -> None:
+    drafter = write_config(
+        tmp_path / "drafter",
+        {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+    )
+    prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
+    report = evaluate(
+        fake_engine("--token-delay", "0.002"), tokenizer_target, drafter, prompts, tmp_path / "eval",
+        max_tokens=8, concurrency=[1, 2], simulator=_sim(0.4), acceptance_tolerance=0.05,
+    )  # fmt: skip
+    assert report.lossless and report.mismatched_prompts == []
+    assert report.engine_acceptance is not None
+    assert report.engine_acceptance["acceptance_rate"] == pytest.approx(0.4)
+    assert report.engine_acceptance["per_position_acceptance"] == pytest.approx([0.6, 0.4, 0.2])
+    assert report.verdict == VERDICT_OK, report.reasons
+    assert set(report.speedup) == {1, 2} and all(v is not None and v > 0 for v in report.speedup.values())
+    level = report.baseline.levels[0]
+    assert level.output_tokens == 3 * 8 and level.ttft_mean_s is not None and level.tpot_mean_s is not None
+    saved = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
+    assert saved["verdict"] == VERDICT_OK and saved["engine_layer_ids"]["layer_input"] == [1, 3, 5]
+    for plot in report.plots:
+        assert Path(plot).read_bytes()[:4] == b"\x89PNG"
+
+    # Same servers, a simulator that predicts much more acceptance: the engine is not running the drafter
+    # as trained -> integration fault (not a weak drafter).
+    faulty = evaluate(
+        fake_engine(), tokenizer_target, drafter, prompts, tmp_path / "eval2",
+        max_tokens=4, concurrency=[1], simulator=_sim(0.7), baseline=report.baseline,
+    )  # fmt: skip
+    assert faulty.verdict == VERDICT_FAULT and faulty.acceptance_gap == pytest.approx(0.3)
+
+
+def test_evaluate_flags_lossy_speculation(tmp_path: Path, tokenizer_target: Path) -> None:
+    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
+    report = evaluate(
+        fake_engine("--perturb", "1"), tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
+        max_tokens=4, concurrency=[1], simulator=_sim(0.4),
+    )  # fmt: skip
+    assert not report.lossless and report.mismatched_prompts == [0, 1]
+    assert report.verdict == VERDICT_FAULT

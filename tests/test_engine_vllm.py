@@ -1,0 +1,210 @@
+"""The real vLLM (CPU) engine: drafters trained by draftloop served with EAGLE-3, engine vs simulator.
+
+Each server start costs about a minute on this machine, so servers are shared: one evaluation per target
+(baseline + speculative server) feeds several tests, and the off-by-one drafter reuses the baseline run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures_engine import (
+    export_for_vllm,
+    require_vllm_env,
+    shift_exported_layer_ids,
+    vllm_settings,
+)
+
+from draftloop.infra.engines.base import get_engine
+from draftloop.infra.engines.doctor import run_doctor
+from draftloop.infra.engines.server import EngineServer, EngineStartError
+from draftloop.infra.evaluate import (
+    VERDICT_FAULT,
+    DrafterPairingError,
+    EvalReport,
+    SimulatorFigures,
+    benchmark_server,
+    encode_prompts,
+    evaluate,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+MAX_TOKENS = 32
+CONCURRENCY = [1, 4]
+K = 3
+TOLERANCE = 0.05
+
+
+def _evaluate_pair(pair: Any, root: Path) -> tuple[Path, SimulatorFigures, EvalReport]:
+    from draftloop.kernels.simulate import simulate_acceptance
+
+    require_vllm_env()
+    drafter_dir = export_for_vllm(pair.drafter, root / "drafter")
+    simulation = simulate_acceptance(
+        pair.target, pair.tokenizer, pair.drafter, pair.held_out_prompts, k=K, max_new_tokens=MAX_TOKENS
+    )
+    simulator = SimulatorFigures.from_report(simulation)
+    engine = get_engine("vllm", vllm_settings())
+    report = evaluate(
+        engine, pair.target_dir, drafter_dir, pair.held_out_prompts, root / "eval",
+        max_tokens=MAX_TOKENS, concurrency=CONCURRENCY, num_speculative_tokens=K,
+        acceptance_tolerance=TOLERANCE, simulator=simulator,
+    )  # fmt: skip
+    print(
+        f"\n[{pair.recipe}] startup baseline {report.baseline.startup_s:.1f}s spec {report.speculative.startup_s:.1f}s; "
+        f"acceptance engine {report.engine_acceptance and report.engine_acceptance['acceptance_rate']} "
+        f"simulator {simulator.acceptance_rate}; speedup {report.speedup}; verdict {report.verdict}"
+    )
+    return drafter_dir, simulator, report
+
+
+@pytest.fixture(scope="module")
+def llama_eval(
+    trained_pair: Callable[[str], Any], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Path, SimulatorFigures, EvalReport]:
+    pair = trained_pair("tiny-llama")
+    drafter_dir, simulator, report = _evaluate_pair(pair, tmp_path_factory.mktemp("vllm-llama"))
+    return pair, drafter_dir, simulator, report
+
+
+@pytest.fixture(scope="module")
+def deepseek_eval(
+    trained_pair: Callable[[str], Any], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Path, SimulatorFigures, EvalReport]:
+    pair = trained_pair("tiny-deepseek")
+    assert pair.drafter.config.attention == "mla"
+    drafter_dir, simulator, report = _evaluate_pair(pair, tmp_path_factory.mktemp("vllm-deepseek"))
+    return pair, drafter_dir, simulator, report
+
+
+def _assert_consistent(report: EvalReport, simulator: SimulatorFigures) -> None:
+    acceptance = report.engine_acceptance
+    assert acceptance is not None, "the speculative server reported no spec-decode counters"
+    assert acceptance["num_drafts"] > 0 and acceptance["num_draft_tokens"] > 0
+    assert report.lossless, f"greedy outputs differ for prompts {report.mismatched_prompts}"
+    assert simulator.acceptance_rate is not None
+    # The drafter must be worth measuring: well above the ~0 of an untrained one.
+    assert simulator.acceptance_rate > 0.2, simulator.acceptance_rate
+    gap = abs(acceptance["acceptance_rate"] - simulator.acceptance_rate)
+    assert gap <= TOLERANCE, (acceptance, simulator)
+    assert report.verdict != VERDICT_FAULT, report.reasons
+    for plot in report.plots:
+        assert Path(plot).stat().st_size > 1000
+
+
+def test_tiny_llama_engine_matches_simulator_and_is_lossless(llama_eval: Any) -> None:
+    _pair, _drafter_dir, simulator, report = llama_eval
+    _assert_consistent(report, simulator)
+    assert set(report.speedup) == set(CONCURRENCY)
+    assert report.engine_layer_ids == {"ids": [1, 3, 5], "convention": "layer_input", "layer_input": [1, 3, 5]}
+
+
+def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path: Path) -> None:
+    """The conventions bug: ids exported one lower (layer_output written where vLLM reads layer_input)."""
+    pair, drafter_dir, simulator, good = llama_eval
+    shifted = shift_exported_layer_ids(drafter_dir, tmp_path / "shifted", -1)
+    engine = get_engine("vllm", vllm_settings())
+    doctor = run_doctor(engine, pair.target_dir, shifted)
+    assert doctor["layer_ids"]["consistent"] is False
+    report = evaluate(
+        engine, pair.target_dir, shifted, pair.held_out_prompts, tmp_path / "eval",
+        max_tokens=MAX_TOKENS, concurrency=[1], num_speculative_tokens=K,
+        acceptance_tolerance=TOLERANCE, simulator=simulator, baseline=good.baseline,
+    )  # fmt: skip
+    print(f"\n[off-by-one] engine {report.engine_acceptance} simulator {simulator.acceptance_rate}")
+    assert report.verdict == VERDICT_FAULT
+    assert report.acceptance_gap is not None and report.acceptance_gap > TOLERANCE
+    assert any("tolerance" in reason for reason in report.reasons)
+    assert report.lossless  # still lossless: the verifier rejects the bad drafts
+
+
+def test_tiny_deepseek_with_mla_drafter(deepseek_eval: Any) -> None:
+    _pair, drafter_dir, simulator, report = deepseek_eval
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    _assert_consistent(report, simulator)
+
+
+def test_standard_attention_drafter_on_mla_target_refused_before_startup(
+    trained_pair: Callable[[str], Any], tmp_path: Path
+) -> None:
+    from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, save_drafter
+    from draftloop.kernels.layer_ids import LayerIds
+
+    pair = trained_pair("tiny-deepseek")
+    llama_style = Eagle3Drafter(DrafterConfig.for_target(pair.target.config, LayerIds((1, 2, 3)), attention="llama"))
+    drafter_dir = save_drafter(llama_style, tmp_path / "llama-drafter", engine="vllm")
+    started = time.monotonic()
+    with pytest.raises(DrafterPairingError) as info:
+        evaluate(
+            get_engine("vllm", vllm_settings()), pair.target_dir, drafter_dir, ["hi"], tmp_path / "eval",
+            max_tokens=4, concurrency=[1],
+        )  # fmt: skip
+    assert time.monotonic() - started < 10  # refused, not started
+    assert "No common block size" in str(info.value) and "Eagle3DeepseekV2ForCausalLM" in str(info.value)
+    assert not (tmp_path / "eval" / "server-baseline.log").exists()
+
+
+def test_architecture_without_eagle3_served_after_plugin_patch(tiny_stablelm_dir: Path, tmp_path: Path) -> None:
+    """StableLM has no SupportsEagle3 in vLLM 0.32.0: the plugin's enabler makes EAGLE-3 work."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, save_drafter
+    from draftloop.kernels.layer_ids import LayerIds
+
+    require_vllm_env()
+    engine = get_engine("vllm", vllm_settings())
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tiny_stablelm_dir)
+    drafter = Eagle3Drafter(DrafterConfig.for_target(config, LayerIds((1, 3, 5))))
+    drafter_dir = save_drafter(drafter, tmp_path / "drafter", engine="vllm")
+
+    doctor = run_doctor(engine, tiny_stablelm_dir, drafter_dir)
+    assert doctor["eagle3"] == {"support": "plugin:eagle3_enabler", "class": "StablelmForCausalLM", "native": False}
+    assert doctor["drafter"]["engine_layer_ids"]["ids"] == [1, 3, 5]
+
+    prompts = ["Write a haiku about rain.", "What is 7 times 8?"]
+    prompt_ids = encode_prompts(tiny_stablelm_dir, prompts)
+    server = EngineServer(engine, tiny_stablelm_dir, tmp_path / "run", name="speculative",
+                          drafter_dir=drafter_dir, num_speculative_tokens=K)  # fmt: skip
+    with server:
+        run = benchmark_server(server, engine, prompt_ids, [1], 16, name="speculative")
+    print(f"\n[stablelm] startup {server.startup_s:.1f}s counters {run.levels[0].counters}")
+    counters = run.levels[0].counters
+    assert counters is not None and counters["num_drafts"] > 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "plugin-report.jsonl").read_text().splitlines()]
+    enabled = [r for r in records if r.get("patch") == "eagle3_enabler" and r.get("class") == "StablelmForCausalLM"]
+    assert enabled and enabled[0]["status"] == "applied"
+    assert "StablelmForCausalLM lacks SupportsEagle3" in server.log_path.read_text()
+
+    # Speculation stays lossless: the served greedy text equals Hugging Face's greedy generation.
+    target = AutoModelForCausalLM.from_pretrained(tiny_stablelm_dir, dtype=torch.float32).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_stablelm_dir)
+    for ids, served in zip(prompt_ids, run.outputs, strict=True):
+        with torch.no_grad():
+            out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, pad_token_id=0)
+        assert tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == served
+
+
+def test_bad_flag_fails_fast_with_log_excerpt(engine_zoo_target: Callable[[str], Path], tmp_path: Path) -> None:
+    require_vllm_env()
+    engine = get_engine("vllm", vllm_settings(extra_args=("--no-such-flag", "1")))
+    server = EngineServer(engine, engine_zoo_target("tiny-llama"), tmp_path / "run")
+    started = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        with server:
+            pass
+    elapsed = time.monotonic() - started
+    print(f"\n[bad flag] failed after {elapsed:.1f}s: {info.value.summary}")
+    assert elapsed < 60, elapsed
+    assert "--no-such-flag" in info.value.log_excerpt
+    assert server.process is not None and server.process.poll() is not None

@@ -1,0 +1,64 @@
+"""`draftloop up` + `prefect deployment run`: the cycle through a real local Prefect server and worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures_flow import REPO_ROOT, FlowEnv
+
+pytestmark = pytest.mark.slow
+
+
+def test_deployment_run_completes_the_cycle(
+    flow_env: FlowEnv,
+    first_cycle: tuple[dict[str, Any], float],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from draftloop.infra.services import _alive, down, read_services, up
+
+    first, _ = first_cycle
+    monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
+    config_uri = first["run_folder"]
+    mlflow_uri = f"sqlite:///{flow_env.workdir}/mlflow.db"
+    try:
+        services = up(REPO_ROOT, mlflow_uri=mlflow_uri, artifact_root=str(flow_env.workdir / "mlartifacts"))
+        assert set(services) == {"prefect-server", "prefect-worker", "mlflow"}
+        recorded = read_services(REPO_ROOT)
+        assert {name: svc.pid for name, svc in recorded.items()} == {n: s.pid for n, s in services.items()}
+        api = f"{services['prefect-server'].url}/api"
+        env = {
+            **flow_env.env,
+            "PREFECT_API_URL": api,
+            "DRAFTLOOP_STATE_DIR": flow_env.env["DRAFTLOOP_STATE_DIR"],
+        }
+        prefect = str(Path(sys.executable).parent / "prefect")
+        params = json.dumps({"params": {"config": str(flow_env.config_path)}})
+        done = subprocess.run(
+            [prefect, "deployment", "run", "train-and-eval/train-and-eval", "--params", params, "--watch"],
+            env={**os.environ, **env},
+            cwd=str(REPO_ROOT),
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-3000:]
+        assert "Completed" in output, output[-3000:]
+        # The worker's run wrote its summary next to the session's first cycle: every stage a cache hit.
+        cycles = Path(config_uri).parent
+        summaries = sorted(cycles.glob("*/summary.json"), key=lambda path: path.stat().st_mtime)
+        latest = json.loads(summaries[-1].read_text())
+        assert latest["status"] == "completed"
+        assert sorted(latest["cache_hits"]) == sorted(first["stages"])
+    finally:
+        stopped = down(REPO_ROOT)
+        for service in read_services(REPO_ROOT).values():
+            assert not _alive(service.pid)
+    assert set(stopped) == {"prefect-server", "prefect-worker", "mlflow"}

@@ -1,0 +1,234 @@
+"""infra/storage.py: atomic shards, manifests as commit points, integrity checks, local and S3."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from draftloop.infra import storage
+from draftloop.infra.storage import (
+    DatasetWriter,
+    ManifestNotFoundError,
+    PromptsError,
+    ShardIntegrityError,
+    ShardNotListedError,
+    load_prompts,
+    read_manifest,
+    read_shard,
+)
+from moto_s3 import moto_s3_server
+
+SHARDS = {f"shard-{i:05d}.bin": os.urandom(1000 + 37 * i) for i in range(3)}
+
+
+def _write_dataset(uri: str, options: dict | None = None) -> storage.Manifest:
+    writer = DatasetWriter(uri, storage_options=options, expected_shards=len(SHARDS))
+    for rows, (name, data) in enumerate(SHARDS.items(), start=1):
+        writer.write_shard(name, data, rows=rows)
+    return writer.commit("unit", inputs={"config.data": "abc"}, summary={"rows": 6})
+
+
+def _round_trip(uri: str, options: dict | None = None) -> None:
+    written = _write_dataset(uri, options)
+    manifest = read_manifest(uri, options)
+    assert [s.name for s in manifest.shards] == list(SHARDS)
+    assert manifest.rows == 6
+    assert manifest.content_hash() == written.content_hash()
+    for name, data in SHARDS.items():
+        assert read_shard(manifest, name, options) == data
+        assert manifest.shard(name).sha256 == hashlib.sha256(data).hexdigest()
+    with pytest.raises(ShardNotListedError):
+        read_shard(manifest, "shard-99999.bin", options)
+
+
+def test_local_round_trip_and_content_hash(tmp_path: Path) -> None:
+    uri = str(tmp_path / "runs" / "ds")
+    _round_trip(uri)
+    manifest = read_manifest(uri)
+    # The hash ignores where and when, but not what.
+    moved = manifest.model_copy(update={"uri": "s3://elsewhere/ds", "created_at": "2000-01-01"})
+    assert moved.content_hash() == manifest.content_hash()
+    changed = manifest.model_copy(update={"summary": {"rows": 7}})
+    assert changed.content_hash() != manifest.content_hash()
+    # No temporary files are left next to the shards.
+    assert sorted(p.name for p in Path(uri).iterdir()) == sorted([*SHARDS, "manifest.json"])
+
+
+def test_truncated_and_tampered_shards_are_refused(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ds")
+    manifest = _write_dataset(uri)
+    first, second = list(SHARDS)[:2]
+    path = Path(uri) / first
+    path.write_bytes(SHARDS[first][:-10])
+    with pytest.raises(ShardIntegrityError) as truncated:
+        read_shard(manifest, first)
+    assert truncated.value.shard == first and first in str(truncated.value) and uri in str(truncated.value)
+    tampered = bytearray(SHARDS[second])
+    tampered[5] ^= 0xFF
+    (Path(uri) / second).write_bytes(bytes(tampered))
+    with pytest.raises(ShardIntegrityError, match=second):
+        read_shard(manifest, second)
+    (Path(uri) / second).unlink()
+    with pytest.raises(ShardIntegrityError, match="missing"):
+        read_shard(manifest, second)
+
+
+def test_crash_mid_shard_leaves_nothing_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = str(tmp_path / "ds")
+    writer = DatasetWriter(uri)
+    writer.write_shard("shard-00000.bin", b"complete shard", rows=1)
+
+    def crash(fd: int) -> None:
+        raise RuntimeError("simulated crash while writing")
+
+    # The crash hits after the bytes went to the temporary file, before the rename.
+    monkeypatch.setattr(storage.os, "fsync", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        writer.write_shard("shard-00001.bin", b"x" * 10_000, rows=5)
+    monkeypatch.undo()
+    names = sorted(p.name for p in Path(uri).iterdir())
+    assert names == ["shard-00000.bin"]  # no partial shard under its final name, no temporary left
+    with pytest.raises(ManifestNotFoundError):
+        read_manifest(uri)
+
+
+def test_rewriting_a_dataset_uncommits_the_old_manifest(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ds")
+    _write_dataset(uri)
+    writer = DatasetWriter(uri)
+    writer.write_shard("shard-00000.bin", b"new content", rows=1)
+    # Mid-rewrite, the old manifest no longer claims shards that are being replaced.
+    with pytest.raises(ManifestNotFoundError):
+        read_manifest(uri)
+    writer.commit("unit")
+    assert read_shard(read_manifest(uri), "shard-00000.bin") == b"new content"
+
+
+def test_writer_rejects_bad_names_and_double_commit(tmp_path: Path) -> None:
+    writer = DatasetWriter(str(tmp_path / "ds"))
+    for bad in ("", "a/b", ".hidden", "manifest.json"):
+        with pytest.raises(ValueError):
+            writer.write_shard(bad, b"x", rows=1)
+    writer.write_shard("a.bin", b"x", rows=1)
+    with pytest.raises(ValueError, match="twice"):
+        writer.write_shard("a.bin", b"y", rows=1)
+    writer.commit("unit")
+    with pytest.raises(RuntimeError, match="committed"):
+        writer.commit("unit")
+
+
+def test_json_helpers_and_dir_copies(tmp_path: Path) -> None:
+    uri = storage.join(str(tmp_path), "a", "b.json")
+    assert uri == f"{tmp_path}/a/b.json"
+    assert storage.join("s3://bucket/", "/x/", "y") == "s3://bucket/x/y"
+    assert not storage.exists(uri)
+    storage.write_json_atomic(uri, {"k": [1, 2]})
+    assert storage.exists(uri) and storage.read_json(uri) == {"k": [1, 2]}
+    source = tmp_path / "ckpt"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "sub" / "w.bin").write_bytes(b"\x00\x01")
+    dest = str(tmp_path / "store" / "ckpt")
+    storage.copy_dir_to(source, dest)
+    storage.copy_dir_to(source, dest)  # replacing an existing copy works too
+    back = storage.download_dir(dest, tmp_path / "back")
+    assert (back / "sub" / "w.bin").read_bytes() == b"\x00\x01"
+    assert (back / "config.json").read_text() == "{}"
+
+
+def test_storage_options_from_config_or_endpoint() -> None:
+    class _Storage:
+        s3_endpoint_url = "http://127.0.0.1:9"
+
+    class _Config:
+        storage = _Storage()
+
+    expected = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    assert storage.storage_options(_Config()) == expected
+    assert storage.storage_options("http://127.0.0.1:9") == expected
+    assert storage.storage_options(None) == {}
+
+
+def test_builtin_prompts_and_bad_lines(tmp_path: Path) -> None:
+    prompts = load_prompts("builtin")
+    assert len(prompts) >= 300
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert len({p.prompt for p in prompts}) == len(prompts)
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"id": "a", "prompt": "hello"}\n\n{"id": 2, "prompt": "bye"}\n')
+    assert [(p.id, p.prompt) for p in load_prompts(str(good))] == [("a", "hello"), ("2", "bye")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": \n')
+    with pytest.raises(PromptsError) as error:
+        load_prompts(str(bad))
+    assert error.value.line == 2 and str(bad) in str(error.value)
+    missing_prompt = tmp_path / "m.jsonl"
+    missing_prompt.write_text('{"id": "a"}\n')
+    with pytest.raises(PromptsError, match=r"m\.jsonl:1: missing or empty 'prompt'"):
+        load_prompts(str(missing_prompt))
+    with pytest.raises(PromptsError, match="no such file"):
+        load_prompts(str(tmp_path / "absent.jsonl"))
+
+
+def test_builtin_prompts_match_their_generator() -> None:
+    from draftloop.data.make_prompts import OUTPUT_PATH, make_prompts
+
+    expected = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in make_prompts())
+    assert OUTPUT_PATH.read_text(encoding="utf-8") == expected
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    with moto_s3_server(buckets=("draftloop-test",)) as endpoint:
+        yield endpoint
+
+
+def test_s3_round_trip_integrity_and_crash(
+    s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    options = storage.storage_options(s3_endpoint)
+    uri = "s3://draftloop-test/runs/ds"
+    _round_trip(uri, options)
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    first = next(iter(SHARDS))
+    fs.pipe_file(f"draftloop-test/runs/ds/{first}", SHARDS[first][:-1] + b"?")
+    with pytest.raises(ShardIntegrityError, match=first):
+        read_shard(read_manifest(uri, options), first, options)
+
+    # A crash during an upload: the object never appears and there is no manifest.
+    crash_uri = "s3://draftloop-test/runs/crashed"
+    writer = DatasetWriter(crash_uri, storage_options=options)
+    writer.write_shard("shard-00000.bin", b"ok", rows=1)
+
+    def failing_upload(path: str, data: bytes, **kwargs: object) -> None:
+        raise RuntimeError("simulated crash during upload")
+
+    # fsspec hands out one cached file-system instance per options; make its upload fail.
+    s3, _ = storage.filesystem(crash_uri, options)
+    monkeypatch.setattr(s3, "pipe_file", failing_upload)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        writer.write_shard("shard-00001.bin", b"y" * 1000, rows=1)
+    monkeypatch.undo()
+    assert not storage.exists(storage.join(crash_uri, "shard-00001.bin"), options)
+    with pytest.raises(ManifestNotFoundError):
+        read_manifest(crash_uri, options)
+
+    # JSON helpers and checkpoint folders.
+    json_uri = "s3://draftloop-test/runs/meta.json"
+    storage.write_json_atomic(json_uri, {"a": 1}, options)
+    assert storage.exists(json_uri, options) and storage.read_json(json_uri, options) == {"a": 1}
+    source = tmp_path / "ckpt"
+    (source / "sub").mkdir(parents=True)
+    (source / "model.safetensors").write_bytes(b"weights")
+    (source / "sub" / "x.txt").write_text("x")
+    storage.copy_dir_to(source, "s3://draftloop-test/ckpt", options)
+    back = storage.download_dir("s3://draftloop-test/ckpt", tmp_path / "back", options)
+    assert (back / "model.safetensors").read_bytes() == b"weights"
+    assert (back / "sub" / "x.txt").read_text() == "x"

@@ -1,0 +1,156 @@
+"""MLflow tracking, registry and gate (no engine, no flow): infra/tracking.py against a real SQLite MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from draftloop.infra.tracking import (
+    CHAMPION_ALIAS,
+    CycleResults,
+    Tracker,
+    evaluate_gate,
+    flatten_params,
+    plot_acceptance_per_position,
+    plot_throughput_vs_concurrency,
+    plot_training_curves,
+    register_drafter,
+)
+
+
+def _gate(**overrides: object) -> SimpleNamespace:
+    fields: dict[str, object] = {
+        "min_speedup": None,
+        "min_acceptance_length": 1.5,
+        "require_consistency": True,
+        "beat_champion": True,
+    }
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def _results(length: float, consistent: bool = True, speedup_c1: float = 0.8) -> CycleResults:
+    rate = (length - 1) / 3
+    return CycleResults(
+        acceptance_rate=rate,
+        mean_acceptance_length=length,
+        per_position_acceptance=[min(1.0, rate * 1.5), rate, rate / 2],
+        speedup={1: speedup_c1, 4: speedup_c1 * 0.9},
+        throughput={1: 100.0, 4: 300.0},
+        simulator_acceptance_rate=rate,
+        consistent=consistent,
+    )
+
+
+@pytest.fixture()
+def tracker(tmp_path: Path) -> Tracker:
+    return Tracker(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "artifacts"), "test-tracking")
+
+
+def _fake_drafter(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    return folder
+
+
+def _register(tracker: Tracker, tmp_path: Path, name: str, results: CycleResults, tag: str) -> object:
+    with tracker.stage("register") as run:
+        run.log_artifact(_fake_drafter(tmp_path / tag / "drafter"), "drafter")
+        return register_drafter(tracker, run, name, _gate(), results, {"target": "tiny", "data_hash": tag})
+
+
+def test_gate_promotes_passing_and_rejects_failing_drafters(tracker: Tracker, tmp_path: Path) -> None:
+    tracker.start_cycle("cycle", {"a": 1}, {})
+    name = "drafter-test"
+    client = tracker.client
+
+    first = _register(tracker, tmp_path, name, _results(2.2), "trained")
+    assert first.champion and first.gate.passed  # type: ignore[attr-defined]
+    assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == first.version  # type: ignore[attr-defined]
+    version = client.get_model_version(name, first.version)  # type: ignore[attr-defined]
+    assert "| mean acceptance length | 2.200 |" in version.description
+    assert "| speedup @ concurrency 1 | 0.800x" in version.description
+    assert version.tags["data_hash"] == "trained"
+    # The registered source is the logged drafter folder, and it downloads.
+    assert version.source.endswith("/drafter")
+    local = Path(
+        __import__("mlflow").artifacts.download_artifacts(
+            artifact_uri=version.source, dst_path=str(tmp_path / "dl"), tracking_uri=tracker.tracking_uri
+        )
+    )
+    assert (local / "config.json").exists()
+
+    # An untrained drafter: acceptance length ~1 -> registered, tagged rejected, champion unchanged.
+    untrained = _register(tracker, tmp_path, name, _results(1.02), "untrained")
+    assert not untrained.champion  # type: ignore[attr-defined]
+    rejected = client.get_model_version(name, untrained.version)  # type: ignore[attr-defined]
+    assert "min_acceptance_length" in rejected.tags["rejected"]
+    assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == first.version  # type: ignore[attr-defined]
+
+    # Above the threshold but below the champion: beat_champion rejects it.
+    weaker = _register(tracker, tmp_path, name, _results(1.9), "weaker")
+    assert not weaker.champion  # type: ignore[attr-defined]
+    assert "champion" in client.get_model_version(name, weaker.version).tags["rejected"]  # type: ignore[attr-defined]
+
+    # Inconsistent engine vs simulator: an integration fault, never promoted.
+    faulty = _register(tracker, tmp_path, name, _results(3.0, consistent=False), "faulty")
+    assert not faulty.champion  # type: ignore[attr-defined]
+
+    better = _register(tracker, tmp_path, name, _results(2.6), "better")
+    assert better.champion  # type: ignore[attr-defined]
+    assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == better.version  # type: ignore[attr-defined]
+    assert better.previous_champion == first.version  # type: ignore[attr-defined]
+
+
+def test_gate_min_speedup_null_is_recorded_not_gated() -> None:
+    not_gated = evaluate_gate(_gate(), _results(2.0, speedup_c1=0.5), champion_length=None)
+    assert not_gated.passed
+    assert any("not gated" in note for note in not_gated.notes)
+    gated = evaluate_gate(_gate(min_speedup=1.1), _results(2.0, speedup_c1=0.5), champion_length=None)
+    assert not gated.passed
+    assert "min_speedup" in gated.reasons[0]
+    fast = evaluate_gate(_gate(min_speedup=1.1), _results(2.0, speedup_c1=1.3), champion_length=None)
+    assert fast.passed
+
+
+def test_stage_failure_is_recorded_and_reraised(tracker: Tracker) -> None:
+    parent = tracker.start_cycle("cycle", {}, {})
+    with pytest.raises(RuntimeError, match="engine died"), tracker.stage("evaluate") as run:
+        run_id = run.run_id
+        raise RuntimeError("engine died")
+    stage = tracker.client.get_run(run_id)
+    assert stage.info.status == "FAILED"
+    assert stage.data.tags["draftloop.status"] == "failed"
+    assert stage.data.tags["mlflow.parentRunId"] == parent.run_id
+    assert "error.txt" in [item.path for item in tracker.client.list_artifacts(run_id)]
+    assert tracker.client.get_run(parent.run_id).data.tags["draftloop.failed_stage"] == "evaluate"
+
+
+def test_metrics_params_and_plots(tracker: Tracker, tmp_path: Path) -> None:
+    params = flatten_params({"training": {"lr": 0.003, "epochs": 2}, "evaluation": {"concurrency": [1, 4]}})
+    assert params == {"training.lr": "0.003", "training.epochs": "2", "evaluation.concurrency": "[1, 4]"}
+    history = [
+        {"step": step, "loss": 5.0 - step, "acc_0": 0.1 * step, "acc_1": 0.05 * step} for step in range(4)
+    ]
+    with tracker.stage("train") as run:
+        run.log_params(params)
+        run.log_metric_history(history)
+        run.log_artifact(plot_training_curves(history, tmp_path / "plots" / "training_curves.png"), "plots")
+        run.log_artifact(
+            plot_acceptance_per_position([0.6, 0.4], [0.62, 0.41], tmp_path / "p" / "a.png"), "plots"
+        )
+        run.log_artifact(
+            plot_throughput_vs_concurrency({1: 10, 4: 30}, {1: 12, 4: 33}, tmp_path / "t.png"), "plots"
+        )
+        run_id = run.run_id
+    client = tracker.client
+    losses = client.get_metric_history(run_id, "loss")
+    assert [metric.value for metric in sorted(losses, key=lambda m: m.step)] == [5.0, 4.0, 3.0, 2.0]
+    assert len(client.get_metric_history(run_id, "acc_1")) == 4
+    assert client.get_run(run_id).data.params["training.lr"] == "0.003"
+    plots = {Path(item.path).name for item in client.list_artifacts(run_id, "plots")}
+    assert plots == {"training_curves.png", "a.png", "t.png"}
+    assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 1000

@@ -1,0 +1,215 @@
+"""TTT training: the unrolled loss against a per-anchor reference, learning, determinism, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from draftloop.kernels.capture import capture_aux_hidden_states
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
+from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.train import TrainConfig, collate_samples, draft_target_head, train_drafter, ttt_loss
+from draftloop.kernels.vocab import build_draft_vocab
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+LAYERS = LayerIds((1, 3, 5))
+TARGET = LlamaConfig(
+    hidden_size=32,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=64,
+    initializer_range=0.2,  # peaky target distributions: something to learn
+)
+
+
+@pytest.fixture(scope="module")
+def target_and_samples() -> tuple[Any, list[dict[str, torch.Tensor]]]:
+    """A tiny random Llama and 16 of its own greedy continuations with captured hidden states."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TARGET).eval()
+    prompts = torch.randint(0, 64, (16, 4))
+    with torch.no_grad():
+        tokens = model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24, do_sample=False
+        )
+    captured = capture_aux_hidden_states(model, tokens, LAYERS)
+    assert captured.last is not None
+    length = tokens.shape[1]
+    samples = []
+    for row in range(tokens.shape[0]):
+        keep = length - (row % 3) * 5  # different lengths, so batches are padded
+        samples.append(
+            {
+                "input_ids": tokens[row, :keep],
+                "loss_mask": (torch.arange(keep) >= 4).to(torch.uint8),  # only the "assistant" part
+                "aux_hidden": captured.aux[row, :keep],
+                "last_hidden": captured.last[row, :keep],
+            }
+        )
+    return model, samples
+
+
+def new_drafter(model: Any, seed: int = 1, draft_vocab: int | None = None) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(DrafterConfig.for_target(TARGET, LAYERS, draft_vocab_size=draft_vocab))
+    drafter.attach_embeddings(model.model.embed_tokens.weight)
+    return drafter
+
+
+def reference_ttt_loss(
+    drafter: Eagle3Drafter, sample: dict[str, torch.Tensor], head: torch.Tensor, ttt: int, decay: float
+) -> tuple[torch.Tensor, list[int]]:
+    """One anchor at a time, the way vLLM drafts: a full step-0 pass, then single-token chain steps
+    attending to the step-0 keys up to the anchor and the chain's own earlier keys."""
+    ids = sample["input_ids"]
+    length = ids.shape[0]
+    mask = sample["loss_mask"].bool()
+    target = torch.softmax(sample["last_hidden"].float() @ head.float().t(), -1)
+    padded = torch.cat([ids, torch.zeros(ttt + 2, dtype=ids.dtype)])
+    positions = torch.arange(length)[None]
+    hidden0, (k0, v0) = drafter(
+        drafter.fuse(sample["aux_hidden"][None]), padded[None, 1 : length + 1], positions
+    )
+    sums = [torch.zeros(()) for _ in range(ttt)]
+    counts = [0] * ttt
+    for anchor in range(length):
+        hidden = hidden0[:, anchor : anchor + 1]
+        chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for step in range(ttt):
+            if step > 0:
+                past = [(k0[:, :, : anchor + 1], v0[:, :, : anchor + 1]), *chain]
+                token = padded[anchor + 1 + step].view(1, 1)
+                hidden, kv = drafter(hidden, token, torch.tensor([[anchor + step]]), past=past)
+                chain.append(kv)
+            predicted = anchor + 2 + step
+            if predicted < length and mask[predicted]:
+                log_probs = F.log_softmax(drafter.logits(hidden)[0, 0].float(), -1)
+                sums[step] = sums[step] - (target[anchor + 1 + step] * log_probs).sum()
+                counts[step] += 1
+    total = sum((decay**step) * sums[step] / max(1, counts[step]) for step in range(ttt))
+    assert isinstance(total, torch.Tensor)
+    return total, counts
+
+
+def test_ttt_loss_matches_per_anchor_reference(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    drafter = new_drafter(model)
+    head = draft_target_head(drafter, model.lm_head.weight.detach())
+    sample = samples[1]
+    batch = collate_samples([sample])
+    with torch.no_grad():
+        loss, metrics = ttt_loss(drafter, batch, head, ttt_length=4, decay=0.8)
+        want, counts = reference_ttt_loss(drafter, sample, head, 4, 0.8)
+    assert metrics["tokens"] == counts
+    torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-4)
+    assert len(metrics["acc"]) == 4 and len(metrics["loss"]) == 4
+
+
+def test_padded_batch_has_no_cross_sample_attention(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    drafter = new_drafter(model)
+    head = draft_target_head(drafter, model.lm_head.weight.detach())
+    pair = [samples[0], samples[2]]  # 28 and 18 tokens
+    with torch.no_grad():
+        _, together = ttt_loss(drafter, collate_samples(pair), head, 3, 0.8)
+        alone = [ttt_loss(drafter, collate_samples([s]), head, 3, 0.8)[1] for s in pair]
+    for step in range(3):
+        tokens = [m["tokens"][step] for m in alone]
+        assert together["tokens"][step] == sum(tokens)
+        weighted = sum(m["loss"][step] * n for m, n in zip(alone, tokens, strict=True)) / sum(tokens)
+        assert together["loss"][step] == pytest.approx(weighted, rel=1e-5)
+
+
+def test_loss_ignores_non_assistant_targets(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    drafter = new_drafter(model)
+    head = draft_target_head(drafter, model.lm_head.weight.detach())
+    sample = dict(samples[0])
+    masked = dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]))
+    with torch.no_grad():
+        loss, metrics = ttt_loss(drafter, collate_samples([masked]), head, 3, 0.8)
+    assert metrics["tokens"] == [0, 0, 0] and float(loss) == 0.0
+
+
+def test_training_learns_and_is_deterministic(target_and_samples, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    cfg = TrainConfig(ttt_length=3, epochs=4, batch_size=4, lr=3e-3, seed=0, show_progress=False)
+    steps: list[int] = []
+    epochs: list[dict[str, object]] = []
+    drafter = new_drafter(model)
+    result = train_drafter(
+        drafter,
+        samples,
+        model.lm_head.weight.detach(),
+        cfg,
+        on_step=lambda step, _m: steps.append(step),
+        on_epoch=lambda _e, m: epochs.append(m),
+    )
+    assert steps == list(range(1, 4 * 4 + 1))
+    assert len(epochs) == 4 and "resume_state" in epochs[0]
+    first, last = result.epochs[0], result.epochs[-1]
+    assert last["loss"] < first["loss"] - 0.3
+    assert len(last["acc"]) == 3
+    assert min(last["acc"]) > max(first["acc"]) + 0.1
+    # Warm-up then cosine decay to zero.
+    lrs = [h["lr"] for h in result.history]
+    assert max(lrs) == pytest.approx(3e-3) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+    again = train_drafter(new_drafter(model), samples, model.lm_head.weight.detach(), cfg)
+    assert [h["loss"] for h in again.history] == [h["loss"] for h in result.history]
+
+    # Trained drafter: save -> load gives identical logits, and the layer ids are recorded.
+    out = save_drafter(drafter, tmp_path / "d", metadata={"epochs": 4})
+    block = json.loads((out / "config.json").read_text())["draftloop"]
+    assert block["aux_layer_ids"] == [1, 3, 5] and block["metadata"] == {"epochs": 4}
+    loaded = load_drafter(out)
+    loaded.attach_embeddings(model.model.embed_tokens.weight)
+    batch = collate_samples(samples[:2])
+    with torch.no_grad():
+        positions = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+        want = drafter.logits(drafter(drafter.fuse(batch["aux_hidden"]), batch["input_ids"], positions)[0])
+        got = loaded.logits(loaded(loaded.fuse(batch["aux_hidden"]), batch["input_ids"], positions)[0])
+    assert torch.equal(want, got)
+
+
+def test_resume_continues_exactly(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    cfg = TrainConfig(
+        ttt_length=2, epochs=3, batch_size=4, lr=1e-3, grad_accum=2, seed=3, show_progress=False
+    )
+    head = model.lm_head.weight.detach()
+    after_first: dict[str, object] = {}
+    drafter = new_drafter(model)
+
+    def keep_first(epoch: int, metrics: dict[str, object]) -> None:
+        if epoch == 0:
+            after_first["state"] = metrics["resume_state"]
+            after_first["weights"] = {k: v.clone() for k, v in drafter.state_dict().items()}
+
+    straight = train_drafter(drafter, samples, head, cfg, on_epoch=keep_first)
+    assert straight.state["global_step"] == 6
+    restarted = new_drafter(model, seed=99)
+    restarted.load_state_dict(after_first["weights"])  # type: ignore[arg-type]
+    resumed = train_drafter(restarted, samples, head, cfg, resume_state=after_first["state"])  # type: ignore[arg-type]
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
+    assert resumed.state["global_step"] == 6
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(restarted.state_dict()[name], tensor), name
+
+
+def test_draft_vocabulary_training(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    d2t, t2d = build_draft_vocab([s["input_ids"] for s in samples], 64, 24)
+    drafter = new_drafter(model, draft_vocab=24)
+    drafter.set_vocab_mapping(d2t, t2d)
+    head = draft_target_head(drafter, model.lm_head.weight.detach())
+    assert torch.equal(head, model.lm_head.weight.detach()[t2d])
+    cfg = TrainConfig(ttt_length=2, epochs=2, batch_size=8, lr=3e-3, show_progress=False)
+    result = train_drafter(drafter, samples, model.lm_head.weight.detach(), cfg)
+    assert result.epochs[-1]["loss"] < result.epochs[0]["loss"]
