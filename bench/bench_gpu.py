@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds
-from draftloop.kernels.shards import shard_to_bytes
+from draftloop.kernels.shards import shard_chunks
 from draftloop.kernels.train import TrainConfig, make_optimizer, ttt_loss
 
 RESULTS: dict[str, Any] = {}
@@ -71,9 +70,17 @@ def target_config(s: dict[str, int]) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=s["H"], intermediate_size=s["I"], num_attention_heads=s["NH"],
-        num_key_value_heads=s["NKV"], head_dim=s["HD"], vocab_size=s["V"], num_hidden_layers=s["L"],
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="bfloat16",
+        hidden_size=s["H"],
+        intermediate_size=s["I"],
+        num_attention_heads=s["NH"],
+        num_key_value_heads=s["NKV"],
+        head_dim=s["HD"],
+        vocab_size=s["V"],
+        num_hidden_layers=s["L"],
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        torch_dtype="bfloat16",
     )
 
 
@@ -89,9 +96,8 @@ def matmul_peak(dev: str) -> float:
 
 
 def bench_extraction(s: dict[str, int], dev: str, workdir: Path, batches: int) -> Any:
-    from transformers import LlamaForCausalLM
-
     from draftloop.infra.storage import DatasetWriter, read_manifest
+    from transformers import LlamaForCausalLM
 
     with torch.device(dev):
         target = LlamaForCausalLM(target_config(s)).to(torch.bfloat16).eval()
@@ -118,18 +124,25 @@ def bench_extraction(s: dict[str, int], dev: str, workdir: Path, batches: int) -
     bare_s = timed(bare, 1, 3)
     log("extraction_bare_forward_tok_per_s", round(tokens / bare_s, 1))
 
-    def pipeline() -> float:
+    def pipeline(fsync: bool) -> float:
         out = workdir / f"hidden-{time.monotonic_ns()}"
-        writer = DatasetWriter(str(out))
+        writer = DatasetWriter(str(out), fsync=fsync)
 
         def sink(name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
             rows = int(tensors["seq_offsets"].shape[0]) - 1
-            writer.write_shard(name, shard_to_bytes(tensors, metadata), rows)
+            writer.write_shard_chunks(name, shard_chunks(tensors, metadata), rows)
 
         sync()
         start = time.perf_counter()
         extract_hidden_states(
-            target, data, layer_ids, sink, target_name="llama-8b-random", samples_per_shard=s["B"]
+            target,
+            data,
+            layer_ids,
+            sink,
+            target_name="llama-8b-random",
+            samples_per_shard=s["B"],
+            writer_threads=6,
+            max_inflight=6,
         )
         manifest = writer.commit("extract", inputs={}, summary={"tokens": tokens})
         elapsed = time.perf_counter() - start
@@ -138,11 +151,12 @@ def bench_extraction(s: dict[str, int], dev: str, workdir: Path, batches: int) -
         shutil.rmtree(out, ignore_errors=True)
         return elapsed
 
-    pipeline()  # warm-up (pinned-memory pool, writer threads, page cache)
-    pipe_times = [pipeline() for _ in range(3)]
-    pipe_s = statistics.median(pipe_times)
-    log("extraction_pipeline_tok_per_s", round(tokens / pipe_s, 1))
-    log("extraction_ratio", round(bare_s / pipe_s, 3))
+    pipeline(False)  # warm-up (pinned-memory pool, writer threads)
+    for fsync in (False, True):
+        pipe_s = statistics.median([pipeline(fsync) for _ in range(3)])
+        suffix = "_fsync" if fsync else ""
+        log(f"extraction_pipeline{suffix}_tok_per_s", round(tokens / pipe_s, 1))
+        log(f"extraction_ratio{suffix}", round(bare_s / pipe_s, 3))
     log("extraction_bytes_per_token", (len(layer_ids.ids) + 1) * s["H"] * 2)
     return target
 
@@ -180,12 +194,12 @@ def drafter_step_flops(cfg: DrafterConfig, seq: int, ttt: int) -> float:
     return float(seq * (per_token + attn))
 
 
-def bench_training(s: dict[str, int], dev: str, reps: int) -> None:
+def bench_training(s: dict[str, int], dev: str, reps: int, ttts: tuple[int, ...]) -> None:
     cfg = drafter_config(s)
     batch = synthetic_batch(s, dev)
     seq = s["SEQ"]
     peak = RESULTS.get("bf16_matmul_peak_flops", 0.0)
-    for ttt in (7, 3):
+    for ttt in ttts:
         for compiled in (False, True):
             torch.manual_seed(0)
             drafter = Eagle3Drafter(cfg).to(dev)
@@ -194,7 +208,13 @@ def bench_training(s: dict[str, int], dev: str, reps: int) -> None:
             opt = make_optimizer(drafter, TrainConfig(lr=1e-4))
             loss_fn = torch.compile(ttt_loss) if compiled else ttt_loss
 
-            def step(drafter: Eagle3Drafter = drafter, opt: Any = opt, loss_fn: Any = loss_fn) -> None:
+            def step(
+                drafter: Eagle3Drafter = drafter,
+                opt: Any = opt,
+                loss_fn: Any = loss_fn,
+                head: Any = head,
+                ttt: int = ttt,
+            ) -> None:
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     loss, _ = loss_fn(drafter, batch, head, ttt, 0.8)
                 opt.zero_grad(set_to_none=True)
@@ -217,10 +237,10 @@ def bench_training(s: dict[str, int], dev: str, reps: int) -> None:
             if dev == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-    bench_peer(s, dev, reps)
+    bench_peer(s, dev, reps, ttts)
 
 
-def bench_peer(s: dict[str, int], dev: str, reps: int) -> None:
+def bench_peer(s: dict[str, int], dev: str, reps: int, ttts: tuple[int, ...]) -> None:
     """The speculators library's EAGLE-3 step on the same drafter shape and synthetic states."""
     try:
         from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -233,22 +253,30 @@ def bench_peer(s: dict[str, int], dev: str, reps: int) -> None:
         log("speculators_error", repr(error))
         return
     layer = LlamaConfig(
-        hidden_size=s["H"], intermediate_size=s["I"], num_attention_heads=s["NH"],
-        num_key_value_heads=s["NKV"], vocab_size=s["V"], num_hidden_layers=1,
-        max_position_embeddings=8192, rms_norm_eps=1e-5,
+        hidden_size=s["H"],
+        intermediate_size=s["I"],
+        num_attention_heads=s["NH"],
+        num_key_value_heads=s["NKV"],
+        vocab_size=s["V"],
+        num_hidden_layers=1,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
     )
     spec = SpeculatorsConfig(
-        algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        algorithm="eagle3",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
         default_proposal_method="greedy",
         verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
     )
     cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=s["VD"], speculators_config=spec,
+        transformer_layer_config=layer,
+        draft_vocab_size=s["VD"],
+        speculators_config=spec,
         eagle_aux_hidden_state_layer_ids=list(LayerIds.default_for_depth(s["L"]).ids),
     )
     batch = synthetic_batch(s, dev)
     seq = s["SEQ"]
-    for ttt in (7, 3):
+    for ttt in ttts:
         for stance in ("default", "force_eager"):  # compiled model (its default) and eager
             torch.compiler.set_stance(stance)
             torch.manual_seed(0)
@@ -257,12 +285,19 @@ def bench_peer(s: dict[str, int], dev: str, reps: int) -> None:
             loss_cfg = resolve_loss_config("kl_div", "eager")  # its fused loss breaks on torch 2.11
             doc = torch.zeros(1, seq, dtype=torch.long, device=dev)
 
-            def step(model: Any = model, opt: Any = opt, loss_cfg: Any = loss_cfg, doc: Any = doc) -> None:
+            def step(
+                model: Any = model, opt: Any = opt, loss_cfg: Any = loss_cfg, doc: Any = doc, ttt: int = ttt
+            ) -> None:
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     _, loss, _ = model(
-                        hidden_states=batch["aux_hidden"], input_ids=batch["input_ids"], document_ids=doc,
-                        loss_mask=batch["loss_mask"], verifier_last_hidden_states=batch["last_hidden"],
-                        ttt_steps=ttt, ttt_step_loss_decay=0.8, loss_config=loss_cfg,
+                        hidden_states=batch["aux_hidden"],
+                        input_ids=batch["input_ids"],
+                        document_ids=doc,
+                        loss_mask=batch["loss_mask"],
+                        verifier_last_hidden_states=batch["last_hidden"],
+                        ttt_steps=ttt,
+                        ttt_step_loss_decay=0.8,
+                        loss_config=loss_cfg,
                     )
                 opt.zero_grad()
                 loss.backward()
@@ -316,6 +351,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--parts", default="extraction,training,simulator")
+    parser.add_argument("--ttt", default="7", help="comma-separated TTT lengths to time (e.g. 7,3)")
     args = parser.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     s = shapes(args.tiny)
@@ -327,21 +363,19 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="draftloop-bench-"))
     target = None
     try:
+        if "training" in parts:
+            ttts = tuple(int(t) for t in args.ttt.split(","))
+            bench_training(s, dev, reps=2 if args.tiny else 10, ttts=ttts)
         if "extraction" in parts:
             target = bench_extraction(s, dev, workdir, batches=3 if args.tiny else 12)
         if "simulator" in parts:
             bench_simulator(s, dev, target, new_tokens=16 if args.tiny else 128)
-        del target
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-        if "training" in parts:
-            bench_training(s, dev, reps=2 if args.tiny else 10)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for ttt in (7, 3):
         ours = max(
-            (RESULTS.get(f"draftloop_{v}_ttt{ttt}_tok_per_s", 0.0) for v in ("eager", "compiled")), default=0.0
+            (RESULTS.get(f"draftloop_{v}_ttt{ttt}_tok_per_s", 0.0) for v in ("eager", "compiled")),
+            default=0.0,
         )
         peer = max(
             (RESULTS.get(f"speculators_{v}_ttt{ttt}_tok_per_s", 0.0) for v in ("eager", "compiled")),

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftloop.flows.train_and_eval import TrainAndEvalParams, run_cycle, stop_started_resources
 from prefect import flow
+
+from draftloop.flows.train_and_eval import TrainAndEvalParams, run_cycle, stop_started_resources
 
 _HOOKS: dict[str, Any] = {"on_cancellation": [stop_started_resources], "on_crashed": [stop_started_resources]}
 

@@ -13,9 +13,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from draftloop.tasks._stage import STAGES, CycleContext, run_folder_uri, stop_recorded_pids, write_text
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
+
+from draftloop.tasks._stage import STAGES, CycleContext, run_folder_uri, stop_recorded_pids, write_text
 
 # Environment traps (stack.md) that must be set before Prefect/MLflow/Ray start in this process.
 _ENV_DEFAULTS = {
@@ -242,15 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m draftloop.flows.train_and_eval [PARAMS_JSON [UNTIL]]`: run one cycle in this process."""
     import sys
 
-    args = sys.argv[1:] if argv is None else argv
-    params = TrainAndEvalParams.model_validate_json(args[0]) if args else TrainAndEvalParams()
-    until = args[1] if len(args) > 1 else "register"
-    if until == "register":
-        train_and_eval(params)
-    else:
-        from draftloop.flows import stages
+    # Under `python -m` this file is `__main__`: use the package's own classes, not this module's copies.
+    from draftloop.flows import stages
+    from draftloop.flows import train_and_eval as package
 
-        getattr(stages, f"{until}_flow")(params)
+    args = sys.argv[1:] if argv is None else argv
+    params = package.TrainAndEvalParams.model_validate_json(args[0]) if args else package.TrainAndEvalParams()
+    until = args[1] if len(args) > 1 else "register"
+    chosen: Any = package.train_and_eval if until == "register" else getattr(stages, f"{until}_flow")
+    chosen(params)
 
 
 if __name__ == "__main__":

@@ -289,8 +289,9 @@ class HiddenStateExtractor:
         device: str | None = None,
     ) -> None:
         import torch
-        from draftloop.kernels.layer_ids import LayerIds, normalize_convention
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from draftloop.kernels.layer_ids import LayerIds, normalize_convention
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, dtype)
@@ -321,6 +322,7 @@ class HiddenStateExtractor:
         back as bytes for the driver to commit in one manifest.
         """
         import torch
+
         from draftloop.kernels.extract import extract_hidden_states
         from draftloop.kernels.shards import shard_to_bytes
 

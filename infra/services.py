@@ -49,6 +49,18 @@ def free_port() -> int:
         return port
 
 
+def port_or_free(preferred: int | None) -> int:
+    """`preferred` when nothing listens on it (127.0.0.1), otherwise any free port."""
+    if preferred:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", preferred))
+            except OSError:
+                return free_port()
+            return preferred
+    return free_port()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -167,7 +179,7 @@ def up(
     services: dict[str, Service] = dict(running)
     try:
         if "prefect-server" not in running:
-            port = prefect_port or free_port()
+            port = port_or_free(prefect_port)
             server = _spawn(
                 "prefect-server",
                 [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -193,7 +205,7 @@ def up(
                 url=None,
             )
         if "mlflow" not in running:
-            port = mlflow_port or free_port()
+            port = port_or_free(mlflow_port)
             backend = mlflow_uri
             if backend.startswith("sqlite:///") and not backend.startswith("sqlite:////"):
                 local = (Path(root or Path.cwd()) / backend.removeprefix("sqlite:///")).resolve()

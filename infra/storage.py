@@ -15,8 +15,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,40 @@ def write_bytes_atomic(uri: str, data: bytes, options: StorageOptions | None = N
         return
     fs, path_in_fs = filesystem(uri, options)
     fs.pipe_file(path_in_fs, data)
+
+
+def write_chunks_atomic(
+    uri: str, chunks: Iterable[bytes | memoryview], options: StorageOptions | None = None, fsync: bool = True
+) -> tuple[str, int]:
+    """Stream ``chunks`` into one object atomically (as :func:`write_bytes_atomic`), hashing on the way.
+
+    Returns (sha256 hex, size). Large zero-copy chunks (memoryviews of pinned host tensors) go to the
+    file and the hash with the GIL released, so a writer thread overlaps with the caller's compute.
+    ``fsync=False`` leaves durability to the page cache (the rename is still atomic for readers).
+    """
+    digest = hashlib.sha256()
+    size = 0
+    if is_local(uri):
+        path = _local_path(uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                    digest.update(chunk)
+                    size += memoryview(chunk).nbytes
+                handle.flush()
+                if fsync:
+                    os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return digest.hexdigest(), size
+    fs, path_in_fs = filesystem(uri, options)
+    data = b"".join(bytes(chunk) for chunk in chunks)  # S3: one whole-object upload
+    fs.pipe_file(path_in_fs, data)
+    return hashlib.sha256(data).hexdigest(), len(data)
 
 
 def write_text_atomic(uri: str, text: str, options: StorageOptions | None = None) -> None:
@@ -260,10 +295,14 @@ class DatasetWriter:
         storage_options: StorageOptions | None = None,
         expected_shards: int | None = None,
         description: str | None = None,
+        fsync: bool = True,
     ) -> None:
         self.uri = uri.rstrip("/")
         self.options = storage_options or {}
         self._shards: list[ShardInfo] = []
+        self._claimed: set[str] = set()
+        self._lock = threading.Lock()
+        self.fsync = fsync
         self._started = False
         self._committed = False
         self._progress: Any = None
@@ -289,19 +328,32 @@ class DatasetWriter:
 
     def write_shard(self, name: str, data: bytes, rows: int) -> ShardInfo:
         """Store one shard atomically and remember it for the manifest."""
+        return self.write_shard_chunks(name, [data], rows)
+
+    def _check_new_shard(self, name: str) -> None:
         if self._committed:
             raise RuntimeError(f"dataset {self.uri} is already committed")
         if not name or "/" in name or name.startswith(".") or name == MANIFEST_NAME:
             raise ValueError(f"invalid shard name {name!r}")
-        if any(shard.name == name for shard in self._shards):
-            raise ValueError(f"shard {name!r} written twice to {self.uri}")
-        self._start()
-        write_bytes_atomic(join(self.uri, name), data, self.options)
-        info = ShardInfo(name=name, rows=int(rows), sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-        self._shards.append(info)
-        if self._progress is not None:
-            self._progress.update(1)
+        with self._lock:
+            if name in self._claimed:
+                raise ValueError(f"shard {name!r} written twice to {self.uri}")
+            self._claimed.add(name)
+            self._start()
+
+    def _record(self, info: ShardInfo) -> ShardInfo:
+        with self._lock:
+            self._shards.append(info)
+            if self._progress is not None:
+                self._progress.update(1)
         return info
+
+    def write_shard_chunks(self, name: str, chunks: Iterable[bytes | memoryview], rows: int) -> ShardInfo:
+        """As :meth:`write_shard`, streaming ``chunks`` (e.g. ``kernels.shards.shard_chunks``) without
+        joining them into one ``bytes`` first. Safe to call from several writer threads."""
+        self._check_new_shard(name)
+        sha256, size = write_chunks_atomic(join(self.uri, name), chunks, self.options, fsync=self.fsync)
+        return self._record(ShardInfo(name=name, rows=int(rows), sha256=sha256, size=size))
 
     def commit(
         self, stage: str, inputs: dict[str, str] | None = None, summary: dict[str, Any] | None = None
@@ -313,7 +365,7 @@ class DatasetWriter:
         manifest = Manifest(
             stage=stage,
             uri=self.uri,
-            shards=list(self._shards),
+            shards=sorted(self._shards, key=lambda shard: shard.name),
             inputs=dict(inputs or {}),
             summary=dict(summary or {}),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),

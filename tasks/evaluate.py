@@ -46,15 +46,19 @@ class ServerProxy:
 
     def smoke_test(self) -> Any:
         import ray
+
         from draftloop.infra.engines.server import SmokeResult
 
         result = ray.get(self.actor.smoke_test.remote())
+        if not isinstance(result, dict):  # the actor answers a SmokeResult
+            return result
         return SmokeResult(
             content=result["content"], reasoning=result["reasoning"], latency_s=result["latency_s"]
         )
 
     def stop(self) -> None:
         import ray
+
         from draftloop.infra.actors import kill_actors
 
         with contextlib.suppress(Exception):
@@ -82,15 +86,15 @@ def start_server_actor(
 ) -> ServerProxy:
     """Start one engine server in a Ray actor and wait until it is ready."""
     import ray
+
     from draftloop.infra.actors import ensure_ray, kill_actors
-    from draftloop.infra.engines.server import EngineServerActor, clean_stale_servers, settings_to_dict
+    from draftloop.infra.engines.server import EngineServerActor, clean_stale_servers
 
     ensure_ray(config.ray.address)
     engine = _engine(config)
     clean_stale_servers(run_dir)  # a previous attempt killed mid-way may have left one behind
     actor = EngineServerActor.options_for(engine.settings).remote(
-        engine.kind,
-        settings_to_dict(engine.settings),
+        engine,
         str(target_path),
         str(run_dir),
         name=name,
@@ -262,7 +266,8 @@ def _task(ctx: Any, conversations: StageOutcome, drafter: StageOutcome) -> Stage
 
 
 def evaluate_task() -> Any:
-    from draftloop.tasks._stage import task_options
     from prefect import task
+
+    from draftloop.tasks._stage import task_options
 
     return task(name="evaluate", **task_options())(_task)

@@ -29,6 +29,7 @@ def run(config: Any, conversations: StageOutcome, on_start: Any = None) -> Stage
 
     def body(work: StageWork) -> Any:
         import ray
+
         from draftloop.infra.actors import ensure_ray, kill_actors, remote_hidden_state_extractor
         from draftloop.infra.storage import DatasetWriter
         from draftloop.tasks.synthesize import ensure_target, read_conversations
@@ -99,7 +100,8 @@ def _task(ctx: Any, conversations: StageOutcome) -> StageOutcome:
 
 
 def extract_task() -> Any:
-    from draftloop.tasks._stage import task_options
     from prefect import task
+
+    from draftloop.tasks._stage import task_options
 
     return task(name="extract", **task_options())(_task)

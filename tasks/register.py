@@ -88,7 +88,8 @@ def _task(
 
 
 def register_task() -> Any:
-    from draftloop.tasks._stage import task_options
     from prefect import task
+
+    from draftloop.tasks._stage import task_options
 
     return task(name="register", **task_options(retries=1))(_task)

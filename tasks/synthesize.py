@@ -66,6 +66,7 @@ def _jsonl(rows: list[dict[str, Any]]) -> bytes:
 
 def _generate_in_process(config: Any, target_path: str, prompts: list[dict[str, str]]) -> Any:
     import ray
+
     from draftloop.infra.actors import ensure_ray, kill_actors, remote_target_generator
 
     ensure_ray(config.ray.address)
@@ -94,6 +95,7 @@ async def _ask_all(
     concurrency: int,
 ) -> Any:
     import httpx
+
     from draftloop.infra.actors import SynthesisResult, split_reasoning
 
     limit = asyncio.Semaphore(max(1, concurrency))
@@ -244,7 +246,8 @@ def _task(ctx: Any) -> StageOutcome:
 
 def synthesize_task() -> Any:
     """The Prefect task (built lazily so importing this module does not import Prefect)."""
-    from draftloop.tasks._stage import task_options
     from prefect import task
+
+    from draftloop.tasks._stage import task_options
 
     return task(name="synthesize", **task_options())(_task)

@@ -66,6 +66,7 @@ def _read_samples(manifest_json: dict[str, Any], options: dict[str, Any], rank: 
 def _build_drafter(loop: dict[str, Any], samples: list[Any], distributed: bool) -> tuple[Any, Any]:
     """(drafter with embeddings attached, target lm_head) — fresh from the target, or `drafter_init`."""
     import torch
+
     from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, load_drafter, load_target_head
     from draftloop.kernels.layer_ids import LayerIds
     from draftloop.kernels.vocab import build_draft_vocab, count_tokens
@@ -130,6 +131,7 @@ def train_worker(loop: dict[str, Any], rank: int, world: int, device: Any, repor
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
     import torch
+
     from draftloop.kernels.drafter import save_drafter
     from draftloop.kernels.train import TrainConfig, train_drafter
 
@@ -248,9 +250,10 @@ def loop_config(config: Any, hidden: StageOutcome, folder: Path) -> dict[str, An
 
 
 def _fit(config: Any, hidden: StageOutcome, key: str, folder: Path) -> Path:
-    from draftloop.infra.actors import ensure_ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from draftloop.infra.actors import ensure_ray
 
     ensure_ray(config.ray.address)
     section = config.training
@@ -360,7 +363,8 @@ def _task(ctx: Any, hidden: StageOutcome) -> StageOutcome:
 
 
 def train_task() -> Any:
-    from draftloop.tasks._stage import task_options
     from prefect import task
+
+    from draftloop.tasks._stage import task_options
 
     return task(name="train", **task_options(retries=1))(_task)

@@ -15,8 +15,9 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
-COUNTERS = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": [0.0, 0.0, 0.0]}
+COUNTERS: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": [0.0, 0.0, 0.0]}
 LOCK = threading.Lock()
 
 
@@ -64,18 +65,18 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
                         'vllm:num_requests_running{engine="0"} 0.0',
                     ]
                     if args.speculative:
+                        prefix = "vllm:spec_decode_num_"
+                        label = '{engine="0",model_name="t"}'
                         lines += [
-                            "# TYPE vllm:spec_decode_num_drafts_total counter",
-                            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="t"}} {COUNTERS["drafts"]}',
-                            f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {COUNTERS["draft_tokens"]}',
-                            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {COUNTERS["accepted"]}',
-                            'vllm:spec_decode_num_accepted_tokens_created{engine="0"} 1.7e9',
+                            f"# TYPE {prefix}drafts_total counter",
+                            f"{prefix}drafts_total{label} {COUNTERS['drafts']}",
+                            f"{prefix}draft_tokens_total{label} {COUNTERS['draft_tokens']}",
+                            f"{prefix}accepted_tokens_total{label} {COUNTERS['accepted']}",
+                            f"{prefix}accepted_tokens_created{label} 1.7e9",
                         ]
                         for i, value in enumerate(COUNTERS["per_pos"]):
-                            lines.append(
-                                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} '
-                                f"{value}"
-                            )
+                            pos_label = f'{{engine="0",position="{i}"}}'
+                            lines.append(f"{prefix}accepted_tokens_per_pos_total{pos_label} {value}")
                 body = ("\n".join(lines) + "\n").encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain")

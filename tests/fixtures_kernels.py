@@ -20,9 +20,9 @@ BUILTIN_PROMPTS = REPO_ROOT / "draftloop" / "data" / "prompts.jsonl"
 
 # The acceptance-training recipe: small enough for ~1-2 CPU minutes per target, enough data that a
 # drafter generalises to held-out prompts.
-NUM_TRAIN_PROMPTS = 160
+NUM_TRAIN_PROMPTS = 200
 NUM_HELD_OUT_PROMPTS = 8
-ANSWER_TOKENS = 40
+ANSWER_TOKENS = 48
 TRAIN_EPOCHS = 4
 TRAIN_LR = 3e-3
 TRAIN_TTT_LENGTH = 3
@@ -205,17 +205,26 @@ class TrainedPair:
             )
         return self.simulations[key]
 
+    def held_out_samples(self, layer_ids: Any) -> list[dict[str, torch.Tensor]]:
+        """Shard samples of the held-out prompts with their greedy answers (the trained drafter's
+        simulated outputs, which equal the target's greedy decode), captured at `layer_ids`."""
+        outputs = self.simulate("trained", self.drafter).results
+        conversations = [(result.prompt_token_ids, result.output_token_ids) for result in outputs]
+        return capture_samples(self.target, conversations, layer_ids)
 
-def greedy_samples(
-    target: Any, tokenizer: Any, prompts: list[str], layer_ids: Any, max_new_tokens: int, batch_size: int = 32
-) -> list[dict[str, torch.Tensor]]:
-    """The target's own greedy answers to `prompts`, with the hidden states a shard would hold."""
-    from draftloop.kernels.capture import capture_aux_hidden_states
+
+Conversation = tuple[list[int], list[int]]  # (chat-templated prompt ids, answer ids)
+
+
+def greedy_answers(
+    target: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, batch_size: int = 32
+) -> list[Conversation]:
+    """The target's own greedy answers to `prompts` (batched, left-padded generate)."""
     from draftloop.kernels.simulate import encode_prompt
 
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     pad = int(tokenizer.pad_token_id or 0)
-    samples: list[dict[str, torch.Tensor]] = []
+    conversations: list[Conversation] = []
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start : start + batch_size]
         width = max(len(ids) for ids in chunk)
@@ -229,21 +238,45 @@ def greedy_samples(
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad,
             )
-        for ids, answer in zip(chunk, generated[:, width:].tolist(), strict=True):
-            sequence = torch.tensor(ids + answer)
-            captured = capture_aux_hidden_states(target, sequence[None], layer_ids)
-            assert captured.last is not None
-            loss_mask = torch.zeros(len(sequence), dtype=torch.uint8)
-            loss_mask[len(ids) :] = 1
+        conversations.extend(zip(chunk, generated[:, width:].tolist(), strict=True))
+    return conversations
+
+
+def capture_samples(
+    target: Any, conversations: list[Conversation], layer_ids: Any, batch_size: int = 32
+) -> list[dict[str, torch.Tensor]]:
+    """Shard samples (input_ids, loss_mask on the answer, aux and last hidden states) of conversations,
+    captured in right-padded batches (causal attention: padding never reaches a real token)."""
+    from draftloop.kernels.capture import capture_aux_hidden_states
+
+    samples: list[dict[str, torch.Tensor]] = []
+    for start in range(0, len(conversations), batch_size):
+        chunk = [prompt + answer for prompt, answer in conversations[start : start + batch_size]]
+        width = max(len(ids) for ids in chunk)
+        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in chunk])
+        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in chunk])
+        captured = capture_aux_hidden_states(target, input_ids, layer_ids, attention_mask=attention)
+        assert captured.last is not None
+        for row, (prompt, answer) in enumerate(conversations[start : start + batch_size]):
+            length = len(prompt) + len(answer)
+            loss_mask = torch.zeros(length, dtype=torch.uint8)
+            loss_mask[len(prompt) :] = 1
             samples.append(
                 {
-                    "input_ids": sequence,
+                    "input_ids": input_ids[row, :length].clone(),
                     "loss_mask": loss_mask,
-                    "aux_hidden": captured.aux[0],
-                    "last_hidden": captured.last[0],
+                    "aux_hidden": captured.aux[row, :length].clone(),
+                    "last_hidden": captured.last[row, :length].clone(),
                 }
             )
     return samples
+
+
+def greedy_samples(
+    target: Any, tokenizer: Any, prompts: list[str], layer_ids: Any, max_new_tokens: int
+) -> list[dict[str, torch.Tensor]]:
+    """The target's own greedy answers to `prompts`, with the hidden states a shard would hold."""
+    return capture_samples(target, greedy_answers(target, tokenizer, prompts, max_new_tokens), layer_ids)
 
 
 def train_pair(recipe: str, target_dir: Path) -> TrainedPair:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from fixtures_kernels import ANSWER_TOKENS, TrainedPair, plain_greedy, reference_drafts
+
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.simulate import (
     LayerIdMismatchError,
@@ -20,7 +22,6 @@ from draftloop.kernels.simulate import (
     speculative_generate,
     teacher_forced_acceptance,
 )
-from fixtures_kernels import ANSWER_TOKENS, TrainedPair, greedy_samples, plain_greedy, reference_drafts
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_training_raises_acceptance_on_held_out_prompts(
 
     # The cheap per-epoch estimate from stored hidden states tells the two drafters apart the same way.
     layer_ids = pair.drafter.config.aux_layer_ids
-    held_out = greedy_samples(pair.target, pair.tokenizer, pair.held_out_prompts, layer_ids, ANSWER_TOKENS)
+    held_out = pair.held_out_samples(layer_ids)
     head = pair.target.get_output_embeddings().weight
     estimate = teacher_forced_acceptance(pair.drafter, held_out, head, k=3)
     estimate_before = teacher_forced_acceptance(pair.untrained, held_out, head, k=3)
@@ -117,7 +118,7 @@ def test_layer_ids_off_by_one_lower_acceptance(
     head = pair.target.get_output_embeddings().weight
     estimates = {}
     for label, ids in (("trained", trained_ids), ("shifted", shifted)):
-        samples = greedy_samples(pair.target, pair.tokenizer, pair.held_out_prompts, ids, ANSWER_TOKENS)
+        samples = pair.held_out_samples(ids)
         estimates[label] = teacher_forced_acceptance(pair.drafter, samples, head, k=3).mean_acceptance_length
     print(
         f"\n{recipe}: captured layers {list(trained_ids.ids)} (trained) vs {list(shifted.ids)} (off by one): "

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, PretrainedConfig, Qwen2Config
+
 from draftloop.kernels.capture import capture_aux_hidden_states
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import (
@@ -17,7 +19,6 @@ from draftloop.kernels.shards import (
     shard_metadata,
     shard_to_bytes,
 )
-from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
 COMMON: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=6, num_attention_heads=4, intermediate_size=64, vocab_size=64

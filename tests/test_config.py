@@ -213,3 +213,8 @@ def test_cli_prints_resolved_config(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert code == 2 and err.startswith("config error: engine.kind: ")
     code, _, err = _cli(tmp_path, monkeypatch, "--set", "novalue")
     assert code == 2 and "--set" in err
+
+
+def test_missing_prompts_file(tmp_path: Path) -> None:
+    error = _error(tmp_path, **{"data.prompts": "prompts/absent.jsonl"})
+    assert error.field == "data.prompts" and str(tmp_path / "prompts" / "absent.jsonl") in error.reason

@@ -9,6 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3RotaryEmbedding,
+)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
 from draftloop.kernels.drafter import (
     DrafterConfig,
     DrafterFormatError,
@@ -20,13 +28,6 @@ from draftloop.kernels.drafter import (
 )
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3Attention,
-    DeepseekV3RotaryEmbedding,
-)
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 HIDDEN = 32
 VOCAB = 50
@@ -150,6 +151,10 @@ def test_chain_attention_equals_explicit_mask(kind: str) -> None:
         h2_ref, _ = drafter(h1, ids, positions + 2, past=[kv0, kv1], attn_bias=additive)
     torch.testing.assert_close(h1, h1_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h2, h2_ref, atol=1e-5, rtol=1e-5)
+    # attn_bias None in chain mode means causal over a past of the query length.
+    with torch.no_grad():
+        h2_default, _ = drafter(h1, ids, positions + 2, past=[kv0], diagonal=[kv1])
+    torch.testing.assert_close(h2_default, h2)
 
 
 def test_llama_attention_matches_transformers_reference() -> None:

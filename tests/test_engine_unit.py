@@ -13,19 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from fixtures_engine import (
-    SGLANG_CHAT_RESPONSE_NEWER,
-    SGLANG_GENERATE_RESPONSE,
-    SGLANG_METRICS,
-    VLLM_LOG_BENIGN,
-    VLLM_LOG_NO_COMMON_BLOCK,
-    VLLM_LOG_WORKER_TRACEBACK,
-    VLLM_METRICS_AFTER,
-    VLLM_METRICS_BEFORE,
-    fake_engine,
-    write_config,
-)
-
 from draftloop.infra.engines.base import (
     EngineConfigError,
     EngineSettings,
@@ -45,6 +32,18 @@ from draftloop.infra.evaluate import (
     evaluate,
 )
 from draftloop.kernels.layer_ids import LayerIds
+from fixtures_engine import (
+    SGLANG_CHAT_RESPONSE_NEWER,
+    SGLANG_GENERATE_RESPONSE,
+    SGLANG_METRICS,
+    VLLM_LOG_BENIGN,
+    VLLM_LOG_NO_COMMON_BLOCK,
+    VLLM_LOG_WORKER_TRACEBACK,
+    VLLM_METRICS_AFTER,
+    VLLM_METRICS_BEFORE,
+    fake_engine,
+    write_config,
+)
 
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "infra" / "engines" / "vllm_plugin_pkg"
 
@@ -68,7 +67,7 @@ def test_registry_knows_both_engines_and_refuses_unknown() -> None:
     assert {"vllm", "sglang"} <= set(known_engines())
     assert get_engine("vllm").kind == "vllm"
     assert get_engine("SGLang").kind == "sglang"
-    with pytest.raises(EngineConfigError, match="engine.kind"):
+    with pytest.raises(EngineConfigError, match=r"engine\.kind"):
         get_engine("tgi")
 
 
@@ -437,9 +436,8 @@ def test_server_starts_answers_and_stops_its_process_group(tmp_path: Path) -> No
 def test_fatal_log_line_fails_fast_with_excerpt(tmp_path: Path) -> None:
     server = EngineServer(fake_engine("--mode", "fatal"), _target(tmp_path), tmp_path / "run")
     started = time.monotonic()
-    with pytest.raises(EngineStartError) as info:
-        with server:
-            pass
+    with pytest.raises(EngineStartError) as info, server:
+        pass
     elapsed = time.monotonic() - started
     assert elapsed < 15, elapsed
     assert info.value.pattern == "no_common_block_size"
@@ -450,18 +448,16 @@ def test_fatal_log_line_fails_fast_with_excerpt(tmp_path: Path) -> None:
 def test_server_exit_during_startup_fails_fast(tmp_path: Path) -> None:
     server = EngineServer(fake_engine("--mode", "exit"), _target(tmp_path), tmp_path / "run")
     started = time.monotonic()
-    with pytest.raises(EngineStartError, match="exited with code 3") as info:
-        with server:
-            pass
+    with pytest.raises(EngineStartError, match="exited with code 3") as info, server:
+        pass
     assert time.monotonic() - started < 15
     assert "giving up" in info.value.log_excerpt
 
 
 def test_startup_timeout_stops_the_server(tmp_path: Path) -> None:
     server = EngineServer(fake_engine("--mode", "slow", timeout_s=3), _target(tmp_path), tmp_path / "run")
-    with pytest.raises(EngineStartError, match="not ready after"):
-        with server:
-            pass
+    with pytest.raises(EngineStartError, match="not ready after"), server:
+        pass
     assert server.process is not None and server.process.poll() is not None
 
 
@@ -551,3 +547,40 @@ def test_evaluate_flags_lossy_speculation(tmp_path: Path, tokenizer_target: Path
     )  # fmt: skip
     assert not report.lossless and report.mismatched_prompts == [0, 1]
     assert report.verdict == VERDICT_FAULT
+
+
+def test_engine_doctor_cli_reports_user_errors_with_exit_code_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from draftloop.cli import app
+
+    result = CliRunner().invoke(app, ["engine", "doctor", "--target", str(tmp_path / "missing")])
+    assert result.exit_code == 2
+    assert "--target" in result.output and "config.json" in result.output
+    result = CliRunner().invoke(app, ["engine", "doctor"])
+    assert result.exit_code == 2
+
+
+@pytest.mark.slow
+def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> None:
+    """The flow's path: each server hosted by an EngineServerActor (num_gpus from the config, 0 here)."""
+    import ray
+    from draftloop.infra.actors import ensure_ray
+    from draftloop.infra.engines.server import ray_server_starter
+
+    ensure_ray(num_cpus=2)
+    engine = fake_engine()
+    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
+    # The actor process must import the fake engine's module (tests/ is not a package).
+    tests_dir = str(Path(__file__).resolve().parent)
+    starter = ray_server_starter(
+        engine, tokenizer_target, tmp_path / "eval", 3, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
+    )
+    report = evaluate(
+        engine, tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
+        max_tokens=4, concurrency=[1], simulator=_sim(0.4), start_server=starter,
+    )  # fmt: skip
+    assert report.verdict == VERDICT_OK, report.reasons
+    assert report.baseline.startup_s is not None and report.lossless
+    assert not list((tmp_path / "eval" / "engine-servers").glob("*.json"))  # both servers stopped
+    assert ray.is_initialized()

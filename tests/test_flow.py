@@ -136,9 +136,10 @@ def _assert_same_as_uninterrupted(
     config: Any, resumed: dict[str, Any], train_manifest: Any, folder: Path
 ) -> None:
     import torch
+    from safetensors.torch import load
+
     from draftloop.infra.storage import read_shard
     from draftloop.tasks.train import loop_config, train_worker
-    from safetensors.torch import load
 
     hidden = SimpleNamespace(manifest=_manifest(resumed["stages"]["extract"]["uri"]))
     loop = loop_config(config, hidden, folder)  # type: ignore[arg-type]

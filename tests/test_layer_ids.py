@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
 
 

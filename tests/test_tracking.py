@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from draftloop.infra.tracking import (
     CHAMPION_ALIAS,
     CycleResults,

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
 from draftloop.kernels.capture import capture_aux_hidden_states
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import TrainConfig, collate_samples, draft_target_head, train_drafter, ttt_loss
 from draftloop.kernels.vocab import build_draft_vocab
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 LAYERS = LayerIds((1, 3, 5))
 TARGET = LlamaConfig(
@@ -213,3 +214,18 @@ def test_draft_vocabulary_training(target_and_samples) -> None:  # type: ignore[
     cfg = TrainConfig(ttt_length=2, epochs=2, batch_size=8, lr=3e-3, show_progress=False)
     result = train_drafter(drafter, samples, model.lm_head.weight.detach(), cfg)
     assert result.epochs[-1]["loss"] < result.epochs[0]["loss"]
+
+
+def test_collate_pads_to_fixed_shapes(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    drafter = new_drafter(model)
+    head = draft_target_head(drafter, model.lm_head.weight.detach())
+    plain = collate_samples(samples[:2])
+    fixed = collate_samples(samples[:2], batch_size=4, pad_multiple=32)
+    assert fixed["input_ids"].shape == (4, 32) and fixed["lengths"].tolist()[2:] == [0, 0]
+    assert plain["input_ids"].shape == (2, 28)
+    with torch.no_grad():
+        loss_plain, metrics_plain = ttt_loss(drafter, plain, head, 3, 0.8)
+        loss_fixed, metrics_fixed = ttt_loss(drafter, fixed, head, 3, 0.8)
+    assert metrics_fixed["tokens"] == metrics_plain["tokens"]
+    torch.testing.assert_close(loss_fixed, loss_plain)

@@ -14,8 +14,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def up(
-        prefect_port: int = typer.Option(4200, help="Prefect server port (127.0.0.1)"),
-        mlflow_port: int = typer.Option(5000, help="MLflow UI port (127.0.0.1)"),
+        prefect_port: int = typer.Option(4200, help="Prefect server port on 127.0.0.1 (a free one if taken)"),
+        mlflow_port: int = typer.Option(5000, help="MLflow UI port on 127.0.0.1 (a free one if taken)"),
         no_worker: bool = typer.Option(False, "--no-worker", help="Do not start a process worker"),
     ) -> None:
         """Start a local Prefect server, the `draftloop` process pool + deployments, a worker and MLflow."""

@@ -54,6 +54,13 @@ def run_doctor(
         result.update(json.loads(lines[-1][len(_MARKER) :]))
     if drafter_dir is not None:
         result["layer_ids"] = describe_layer_ids(engine, drafter_dir)
+        from draftloop.infra.evaluate import DrafterPairingError, check_drafter_pairing
+
+        try:
+            check_drafter_pairing(target_dir, drafter_dir)
+            result["pairing"] = {"ok": True}
+        except DrafterPairingError as error:
+            result["pairing"] = {"ok": False, "reason": error.reason}
     return result
 
 
@@ -99,4 +106,10 @@ def format_report(report: dict[str, Any]) -> str:
         )
         if ids.get("consistent") is False:
             lines.append("  WARNING: the engine will capture other layers than the drafter was trained on")
+    drafter = report.get("drafter")
+    if isinstance(drafter, dict) and drafter.get("in_range") is False:
+        lines.append("  WARNING: some aux layer ids are out of range for this target")
+    pairing = report.get("pairing")
+    if isinstance(pairing, dict) and not pairing.get("ok", True):
+        lines.append(f"  REFUSED: {pairing.get('reason')}")
     return "\n".join(lines)

@@ -497,21 +497,23 @@ class EngineServer:
 class EngineServerActor:
     """Hosts one EngineServer inside a Ray actor (on the node and GPUs Ray gives it).
 
-    Create with `EngineServerActor.options_for(settings).remote(...)`: num_gpus comes from the engine
-    config (0 on CPU). The benchmark client talks to `url()` over HTTP.
+    Create with `EngineServerActor.options_for(settings).remote(engine, target_dir, run_dir, ...)`:
+    num_gpus comes from the engine config (0 on CPU). `engine` is an Engine (pickled) or an engine kind
+    with `settings` (a dict of EngineSettings fields). The benchmark client talks to `url()` over HTTP.
     """
 
     def __init__(
         self,
-        engine_kind: str,
-        settings: dict[str, Any],
+        engine: Engine | str,
         target_dir: str,
         run_dir: str,
         name: str = "baseline",
         drafter_dir: str | None = None,
         num_speculative_tokens: int | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
-        engine = get_engine(engine_kind, EngineSettings.from_config(settings))
+        if isinstance(engine, str):
+            engine = get_engine(engine, EngineSettings.from_config(settings or {"kind": engine}))
         self.server = EngineServer(
             engine,
             Path(target_dir),
@@ -530,9 +532,8 @@ class EngineServerActor:
     def url(self) -> str:
         return self.server.base_url
 
-    def smoke_test(self) -> dict[str, Any]:
-        result = self.server.smoke_test()
-        return {"content": result.content, "reasoning": result.reasoning, "latency_s": result.latency_s}
+    def smoke_test(self) -> SmokeResult:
+        return self.server.smoke_test()
 
     def metrics_text(self) -> str:
         return self.server.metrics_text()
@@ -544,11 +545,77 @@ class EngineServerActor:
         self.server.stop()
 
     @staticmethod
-    def options_for(settings: EngineSettings) -> Any:
+    def options_for(settings: EngineSettings, **options: Any) -> Any:
         """The ray.remote actor class with the resources the engine config asks for."""
         import ray
 
-        return ray.remote(num_gpus=settings.num_gpus, num_cpus=0, max_restarts=0)(EngineServerActor)
+        return ray.remote(num_gpus=settings.num_gpus, num_cpus=0, max_restarts=0, **options)(
+            EngineServerActor
+        )
+
+
+class RayServerProxy:
+    """An EngineServerActor seen as a server (base_url, metrics_text, smoke_test, stop) by evaluation."""
+
+    def __init__(self, actor: Any, info: dict[str, Any]) -> None:
+        self.actor = actor
+        self.base_url: str = info["url"]
+        self.startup_s: float | None = info.get("startup_s")
+        self.log_path = Path(info["log_path"])
+
+    def metrics_text(self) -> str:
+        import ray
+
+        return str(ray.get(self.actor.metrics_text.remote()))
+
+    def smoke_test(self) -> SmokeResult:
+        import ray
+
+        result: SmokeResult = ray.get(self.actor.smoke_test.remote())
+        return result
+
+    def stop(self) -> None:
+        import ray
+
+        # Stop the server from inside the actor first: ray.kill alone would orphan it.
+        with contextlib.suppress(Exception):
+            ray.get(self.actor.stop.remote(), timeout=60)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+
+def ray_server_starter(
+    engine: Engine, target_dir: Path, run_dir: Path, num_speculative_tokens: int, **actor_options: Any
+) -> Any:
+    """A `start_server(name, drafter_dir)` for `evaluate` that hosts each server in a Ray actor."""
+    import ray
+
+    @contextlib.contextmanager
+    def start(name: str, drafter_dir: Path | None) -> Any:
+        actor_cls = EngineServerActor.options_for(engine.settings, **actor_options)
+        actor = actor_cls.remote(
+            engine,
+            str(target_dir),
+            str(run_dir),
+            name=name,
+            drafter_dir=str(drafter_dir) if drafter_dir is not None else None,
+            num_speculative_tokens=num_speculative_tokens if drafter_dir is not None else None,
+        )
+        proxy: RayServerProxy | None = None
+        try:
+            info = ray.get(actor.start.remote())
+            proxy = RayServerProxy(actor, info)
+            yield proxy
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            else:
+                with contextlib.suppress(Exception):
+                    ray.get(actor.stop.remote(), timeout=60)
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+
+    return start
 
 
 def settings_to_dict(settings: EngineSettings) -> dict[str, Any]:

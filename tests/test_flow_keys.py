@@ -1,0 +1,98 @@
+"""Stage cache keys and committed-manifest lookup (fast: no Ray, no Prefect, no engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from draftloop.infra.config import ExperimentConfig
+from draftloop.tasks import evaluate, extract, synthesize, train
+from draftloop.tasks._stage import cache_key, find_committed, run_cached, stage_uri
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config(tmp_path: Path, **overrides: Any) -> ExperimentConfig:
+    base = {"storage.root": str(tmp_path / "runs"), "target.path": str(tmp_path / "target")}
+    return ExperimentConfig.load(
+        REPO_ROOT / "configs" / "tiny-llama.yaml", {**base, **overrides}, check_environment=False
+    )
+
+
+def _keys(config: ExperimentConfig, upstream: Any) -> dict[str, str]:
+    return {
+        "synthesize": cache_key("synthesize", config, synthesize.SECTIONS, {})[0],
+        "extract": cache_key("extract", config, extract.SECTIONS, {"conversations": upstream})[0],
+        "train": cache_key(
+            "train", config, train.SECTIONS, {"hidden": upstream}, {"engine.kind": config.engine.kind}
+        )[0],
+        "evaluate": cache_key("evaluate", config, evaluate.SECTIONS, {"drafter": upstream})[0],
+    }
+
+
+class _Manifest:
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+
+    def content_hash(self) -> str:
+        return self.digest
+
+
+def test_keys_follow_exactly_the_inputs_a_stage_reads(tmp_path: Path) -> None:
+    upstream = _Manifest("a" * 64)
+    base = _keys(_config(tmp_path), upstream)
+    assert base == _keys(_config(tmp_path), upstream)  # deterministic
+
+    lr = _keys(_config(tmp_path, **{"training.lr": 1e-3}), upstream)
+    assert lr["train"] != base["train"]
+    assert (lr["synthesize"], lr["extract"], lr["evaluate"]) == (
+        base["synthesize"],
+        base["extract"],
+        base["evaluate"],
+    )
+
+    k = _keys(_config(tmp_path, **{"engine.num_speculative_tokens": 5}), upstream)
+    assert k["evaluate"] != base["evaluate"]
+    assert k["train"] == base["train"]  # training does not depend on how many tokens are drafted
+
+    samples = _keys(_config(tmp_path, **{"data.num_samples": 32}), upstream)
+    assert samples["synthesize"] != base["synthesize"]
+
+    other_data = _keys(_config(tmp_path), _Manifest("b" * 64))
+    assert other_data["synthesize"] == base["synthesize"]
+    assert other_data["extract"] != base["extract"]
+    assert other_data["train"] != base["train"]
+
+
+def test_only_a_committed_manifest_with_the_same_key_is_a_cache_hit(tmp_path: Path) -> None:
+    from draftloop.infra.storage import DatasetWriter
+
+    config = _config(tmp_path)
+    calls: list[str] = []
+
+    def body(work: Any) -> Any:
+        calls.append(work.key)
+        writer = DatasetWriter(work.uri)
+        writer.write_shard("registration.json", b"{}", rows=1)
+        return writer.commit("register", inputs=work.inputs, summary={"n": len(calls)})
+
+    first = run_cached("register", config, ("tracking",), {}, body)
+    second = run_cached("register", config, ("tracking",), {}, body)
+    assert not first.cache_hit and second.cache_hit
+    assert calls == [first.key]
+    assert second.manifest.summary == {"n": 1}
+    assert find_committed(stage_uri(config, "register", first.key), "another-key") is None
+
+    # A stage that died before its commit left no manifest: the next run redoes it.
+    def dies(work: Any) -> Any:
+        writer = DatasetWriter(work.uri)
+        writer.write_shard("partial.json", b"{}", rows=1)
+        raise RuntimeError("killed")
+
+    changed = _config(tmp_path, **{"tracking.experiment": "other"})
+    with pytest.raises(RuntimeError, match="killed"):
+        run_cached("register", changed, ("tracking",), {}, dies)
+    redone = run_cached("register", changed, ("tracking",), {}, body)
+    assert not redone.cache_hit
