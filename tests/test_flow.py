@@ -82,8 +82,8 @@ def test_sigkill_during_training_resumes_without_redoing_upstream(
 ) -> None:
     """Kill -9 the flow mid-training; the re-run reuses synthesis + extraction and resumes training."""
     first, _ = first_cycle
-    # A different training seed: same data (cached), new training; 4 epochs leave time to kill mid-way.
-    overrides = {"training.seed": 1, "training.epochs": 4}
+    # A different training seed: same data (cached), new training; 3 epochs leave time to kill mid-way.
+    overrides = {"training.seed": 1, "training.epochs": 3}
     config = yaml_config(flow_env, overrides)
     state = Path(flow_env.env["DRAFTLOOP_STATE_DIR"])
     work_root = state / "work" / config.name / "train"
@@ -126,7 +126,7 @@ def test_sigkill_during_training_resumes_without_redoing_upstream(
     assert resumed["stages"]["extract"]["uri"] == first["stages"]["extract"]["uri"]
     train_manifest = _manifest(resumed["stages"]["train"]["uri"])
     assert train_manifest.summary["resumed_from_epoch"] >= 1
-    assert train_manifest.summary["steps"] == 4 * 3  # 24 samples / batch 8 = 3 steps per epoch, all kept
+    assert train_manifest.summary["steps"] == 3 * 3  # 24 samples / batch 8 = 3 steps per epoch, all kept
 
     # Same result as an uninterrupted training on the same data (computed here, without Ray).
     _assert_same_as_uninterrupted(config, resumed, train_manifest, flow_env.workdir / "reference")

@@ -96,3 +96,37 @@ def test_only_a_committed_manifest_with_the_same_key_is_a_cache_hit(tmp_path: Pa
         run_cached("register", changed, ("tracking",), {}, dies)
     redone = run_cached("register", changed, ("tracking",), {}, body)
     assert not redone.cache_hit
+
+
+def test_cancellation_hook_stops_recorded_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_cancellation/on_crashed: processes a cycle recorded (engine servers, Ray) are stopped by PID."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from draftloop.flows.train_and_eval import stop_started_resources
+    from draftloop.tasks._stage import CycleContext
+
+    monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
+    config = _config(tmp_path)
+    # A stand-in for an engine server: its own process group, with a child, like vLLM's API server.
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen(['sleep', '300']); time.sleep(300)",
+        ],
+        start_new_session=True,
+    )
+    ctx = CycleContext(config=config, run_id="run-1", tracker=None, run_uri=str(tmp_path / "run"))
+    ctx.record_pids("engine-baseline", [server.pid])
+    assert server.poll() is None
+    stop_started_resources(None, SimpleNamespace(id="run-1"), None)
+    assert server.wait(timeout=15) is not None
+    # The whole group went, and the record is gone (a second hook call is a no-op).
+    group_alive = subprocess.run(
+        ["pgrep", "-g", str(server.pid)], capture_output=True, text=True
+    ).stdout.strip()
+    assert group_alive == ""
+    assert not ctx.pid_file.exists()
+    stop_started_resources(None, SimpleNamespace(id="run-1"), None)

@@ -9,17 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from draftloop.kernels.capture import capture_aux_hidden_states
-from draftloop.kernels.layer_ids import LayerIds
-from draftloop.kernels.simulate import (
-    AcceptanceCounters,
-    LayerIdMismatchError,
-    StepRecord,
-    encode_prompt,
-    simulate_acceptance,
-    speculative_generate,
-    teacher_forced_acceptance,
-)
 from fixtures_kernels import (
     builtin_prompts,
     default_layer_ids,
@@ -30,6 +19,18 @@ from fixtures_kernels import (
     plain_greedy,
     reference_drafts,
     untrained_drafter,
+)
+
+from draftloop.kernels.capture import capture_aux_hidden_states
+from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.simulate import (
+    AcceptanceCounters,
+    LayerIdMismatchError,
+    StepRecord,
+    encode_prompt,
+    simulate_acceptance,
+    speculative_generate,
+    teacher_forced_acceptance,
 )
 
 PROMPTS = builtin_prompts()[:3]
