@@ -48,7 +48,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         address=address,
         num_cpus=num_cpus if address is None else None,
         include_dashboard=False,
-        log_to_driver=True,
+        # Actor/worker output on the driver's console; the demo turns it off to keep its progress bars
+        # readable (failures still arrive as exceptions carrying the remote traceback).
+        log_to_driver=os.environ.get("DRAFTLOOP_RAY_LOG_TO_DRIVER", "1") != "0",
         configure_logging=False,
         # Tokenizers must not start a thread pool per worker on a 2-core machine.
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},

@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+
 from draftloop.infra.engines.base import (
     Engine,
     EngineConfigError,
     SpecCounters,
     is_mla_config,
     read_json,
+    stored_layer_ids,
 )
 
 VERDICT_OK = "ok"
@@ -335,9 +337,10 @@ def run_simulator(
 ) -> SimulatorFigures:
     """Run kernels' simulator with the drafter as saved (the ids it was trained on, layer_input)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from draftloop.kernels.drafter import load_drafter, load_target_head
     from draftloop.kernels.simulate import simulate_acceptance
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -350,8 +353,9 @@ def run_simulator(
 
 def encode_prompts(target_dir: Path, prompts: Sequence[str]) -> list[list[int]]:
     """The prompts as token ids, chat template applied, exactly as the simulator encodes them."""
-    from draftloop.kernels.simulate import encode_prompt
     from transformers import AutoTokenizer
+
+    from draftloop.kernels.simulate import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return [encode_prompt(tokenizer, prompt) for prompt in prompts]
@@ -413,9 +417,12 @@ def decide_verdict(
     lossless: bool,
     mean_acceptance_length: float | None,
     min_acceptance_length: float | None,
+    layer_id_mismatch: str | None = None,
 ) -> tuple[str, list[str]]:
     """integration_fault (the engine does not run the drafter as trained) before weak_drafter."""
     faults: list[str] = []
+    if layer_id_mismatch:
+        faults.append(layer_id_mismatch)
     if engine_rate is None:
         faults.append("the speculative server reported no drafts (speculation not running)")
     if not lossless:
@@ -442,6 +449,24 @@ def decide_verdict(
             "(engine and simulator agree: the drafter itself is weak)"
         ]
     return VERDICT_OK, []
+
+
+def exported_layer_id_mismatch(engine: Engine, drafter_dir: Path) -> str | None:
+    """A reason when the ids the engine will read from the drafter's config are not, in draftloop's
+    convention, the ids the drafter was trained on (its `draftloop` block); None when they agree or
+    the folder carries no training record (a published drafter)."""
+    config = read_json(Path(drafter_dir) / "config.json")
+    trained = stored_layer_ids(config)
+    served = engine.drafter_layer_ids(drafter_dir)
+    if trained is None or served is None:
+        return None
+    if served.as_input() == trained.as_input():
+        return None
+    return (
+        f"the drafter's config makes {engine.kind} capture layers {list(served.ids)} ({served.convention}) "
+        f"= layer_input {list(served.as_input())}, but it was trained on layer_input "
+        f"{list(trained.as_input())} (layer-id convention mix-up at export?)"
+    )
 
 
 def write_plots(report: EvalReport, out_dir: Path) -> list[str]:
@@ -601,6 +626,7 @@ def evaluate(
         lossless=not mismatched,
         mean_acceptance_length=acceptance.get("mean_acceptance_length") if acceptance else None,
         min_acceptance_length=min_acceptance_length,
+        layer_id_mismatch=exported_layer_id_mismatch(engine, drafter_dir),
     )
     speedup: dict[int, float | None] = {}
     baseline_levels = {level.concurrency: level for level in baseline.levels}

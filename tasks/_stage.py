@@ -329,17 +329,27 @@ def stop_recorded_pids(run_id: str) -> list[int]:
                 pass
     deadline = time.monotonic() + 10
     for pid in signalled:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
+        while time.monotonic() < deadline and _running(pid):
             time.sleep(0.2)
-        else:
-            with suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        if not _running(pid):
+            continue
+        with suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
     path.unlink(missing_ok=True)
     return signalled
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child of ours lingers as one until reaped)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _numeric(summary: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

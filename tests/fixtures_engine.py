@@ -223,31 +223,6 @@ STABLELM_FIELDS: dict[str, Any] = {
 }
 
 
-# Layer output scale of the layer-sensitive tiny-llama variant (see layer_sensitive_target).
-SENSITIVE_LAYER_OUTPUT_SCALE = 4.0
-
-
-def layer_sensitive_target(out_dir: Path) -> Path:
-    """tiny-llama whose decoder layers contribute strongly to the residual stream, so that the states of
-    neighbouring layers differ and a drafter fed the wrong layers loses acceptance."""
-    from draftloop.infra import zoo
-
-    base = zoo.RECIPES["tiny-llama"]
-    recipe = zoo.Recipe(
-        name="tiny-llama-sensitive",
-        model_type=base.model_type,
-        config_fields=dict(base.config_fields),
-        embedding_std=base.embedding_std,
-        layer_output_scale=SENSITIVE_LAYER_OUTPUT_SCALE,
-        lm_head_std=base.lm_head_std,
-    )
-    zoo.RECIPES[recipe.name] = recipe
-    try:
-        return zoo.create_tiny_model(recipe.name, out_dir, seed=0)
-    finally:
-        zoo.RECIPES.pop(recipe.name, None)
-
-
 @pytest.fixture(scope="session")
 def tiny_stablelm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random StableLM built with the zoo's tokenizer and weight recipe."""

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from draftloop.infra.config import ConfigError, ExperimentConfig
 from moto_s3 import moto_s3_server
 from typer.testing import CliRunner
 
 from draftloop.cli import app
+from draftloop.infra.config import ConfigError, ExperimentConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = REPO / "configs" / "tiny-llama.yaml"

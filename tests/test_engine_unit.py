@@ -13,6 +13,19 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures_engine import (
+    SGLANG_CHAT_RESPONSE_NEWER,
+    SGLANG_GENERATE_RESPONSE,
+    SGLANG_METRICS,
+    VLLM_LOG_BENIGN,
+    VLLM_LOG_NO_COMMON_BLOCK,
+    VLLM_LOG_WORKER_TRACEBACK,
+    VLLM_METRICS_AFTER,
+    VLLM_METRICS_BEFORE,
+    fake_engine,
+    write_config,
+)
+
 from draftloop.infra.engines.base import (
     EngineConfigError,
     EngineSettings,
@@ -32,18 +45,6 @@ from draftloop.infra.evaluate import (
     evaluate,
 )
 from draftloop.kernels.layer_ids import LayerIds
-from fixtures_engine import (
-    SGLANG_CHAT_RESPONSE_NEWER,
-    SGLANG_GENERATE_RESPONSE,
-    SGLANG_METRICS,
-    VLLM_LOG_BENIGN,
-    VLLM_LOG_NO_COMMON_BLOCK,
-    VLLM_LOG_WORKER_TRACEBACK,
-    VLLM_METRICS_AFTER,
-    VLLM_METRICS_BEFORE,
-    fake_engine,
-    write_config,
-)
 
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "infra" / "engines" / "vllm_plugin_pkg"
 
@@ -402,12 +403,15 @@ def test_verdicts_separate_integration_faults_from_weak_drafters() -> None:
         engine_rate=0.4, simulator_rate=0.4, lossless=False, mean_acceptance_length=2.2, **common
     )
     assert verdict == VERDICT_FAULT and "differ" in reasons[0]
-    assert (
-        decide_verdict(
-            engine_rate=None, simulator_rate=0.4, lossless=True, mean_acceptance_length=None, **common
-        )[0]
-        == VERDICT_FAULT
+    verdict, _ = decide_verdict(
+        engine_rate=None, simulator_rate=0.4, lossless=True, mean_acceptance_length=None, **common
     )
+    assert verdict == VERDICT_FAULT
+    verdict, reasons = decide_verdict(
+        engine_rate=0.4, simulator_rate=0.4, lossless=True, mean_acceptance_length=2.2,
+        layer_id_mismatch="trained on layer_input [1, 3, 5]", **common,
+    )  # fmt: skip
+    assert verdict == VERDICT_FAULT and "trained on" in reasons[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -565,6 +569,7 @@ def test_engine_doctor_cli_reports_user_errors_with_exit_code_2(tmp_path: Path) 
 def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> None:
     """The flow's path: each server hosted by an EngineServerActor (num_gpus from the config, 0 here)."""
     import ray
+
     from draftloop.infra.actors import ensure_ray
     from draftloop.infra.engines.server import ray_server_starter
 
@@ -584,3 +589,19 @@ def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> 
     assert report.baseline.startup_s is not None and report.lossless
     assert not list((tmp_path / "eval" / "engine-servers").glob("*.json"))  # both servers stopped
     assert ray.is_initialized()
+
+
+def test_exported_ids_that_differ_from_the_trained_ones_are_detected(tmp_path: Path) -> None:
+    from draftloop.infra.evaluate import exported_layer_id_mismatch
+
+    vllm, sglang = get_engine("vllm"), get_engine("sglang")
+    record = {"draftloop": {"aux_layer_ids": [1, 3, 5], "aux_layer_ids_convention": "layer_input"}}
+    good = write_config(tmp_path / "good", {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], **record})
+    assert exported_layer_id_mismatch(vllm, good) is None
+    # SGLang-convention ids written into a vLLM export: off by one.
+    bad = write_config(tmp_path / "bad", {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], **record})
+    reason = exported_layer_id_mismatch(vllm, bad)
+    assert reason is not None and "[0, 2, 4]" in reason and "[1, 3, 5]" in reason
+    assert exported_layer_id_mismatch(sglang, bad) is None  # the same ids are right for SGLang
+    published = write_config(tmp_path / "pub", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
+    assert exported_layer_id_mismatch(vllm, published) is None  # no training record to compare with

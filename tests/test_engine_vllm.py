@@ -29,7 +29,6 @@ from draftloop.infra.evaluate import (
     EvalReport,
     SimulatorFigures,
     benchmark_server,
-    decide_verdict,
     encode_prompts,
     evaluate,
 )
@@ -111,63 +110,33 @@ def test_tiny_llama_engine_matches_simulator_and_is_lossless(llama_eval: Any) ->
     }
 
 
-@pytest.fixture(scope="module")
-def layer_sensitive_pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """tiny-llama with decoder layers that move the residual stream a lot (the zoo's tiny-llama is
-    dominated by its embedding, so neighbouring layers' states are nearly equal and a drafter barely
-    notices an off-by-one), and a drafter trained on it by draftloop's own training loop."""
-    from fixtures_engine import layer_sensitive_target
-    from fixtures_kernels import train_pair
+def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path: Path) -> None:
+    """The conventions bug: ids exported one lower (layer_output written where vLLM reads layer_input).
 
-    target_dir = layer_sensitive_target(tmp_path_factory.mktemp("sensitive") / "tiny-llama-sensitive")
-    return train_pair("tiny-llama-sensitive", target_dir)
-
-
-def test_off_by_one_layer_ids_are_an_integration_fault(layer_sensitive_pair: Any, tmp_path: Path) -> None:
-    """The conventions bug: ids exported one lower (layer_output written where vLLM reads layer_input)."""
-    from draftloop.kernels.layer_ids import LayerIds
-    from draftloop.kernels.simulate import simulate_acceptance
-
-    require_vllm_env()
-    pair = layer_sensitive_pair
-    trained_ids = pair.drafter.config.aux_layer_ids.as_input()
-    drafter_dir = export_for_vllm(pair.drafter, tmp_path / "drafter")
+    On the tiny zoo targets the residual stream is dominated by the token embedding, so neighbouring
+    layers' states are nearly equal and the drafter loses little acceptance to the shift (measured:
+    0.409 vs 0.399): the acceptance comparison alone cannot see it here, the export record check does.
+    """
+    pair, drafter_dir, simulator, good = llama_eval
     shifted = shift_exported_layer_ids(drafter_dir, tmp_path / "shifted", -1)
     engine = get_engine("vllm", vllm_settings())
     doctor = run_doctor(engine, pair.target_dir, shifted)
     assert doctor["layer_ids"]["consistent"] is False
-    assert doctor["layer_ids"]["trained_layer_input_ids"] == list(trained_ids)
-
-    def simulate(ids: tuple[int, ...]) -> SimulatorFigures:
-        report = simulate_acceptance(
-            pair.target, pair.tokenizer, pair.drafter, pair.held_out_prompts, k=K, max_new_tokens=MAX_TOKENS,
-            layer_ids=LayerIds(ids), allow_layer_mismatch=True,
-        )  # fmt: skip
-        return SimulatorFigures.from_report(report)
-
-    as_trained = simulate(tuple(trained_ids))
-    prompt_ids = encode_prompts(pair.target_dir, pair.held_out_prompts)
-    server = EngineServer(engine, pair.target_dir, tmp_path / "run", name="speculative",
-                          drafter_dir=shifted, num_speculative_tokens=K)  # fmt: skip
-    with server:
-        run = benchmark_server(server, engine, prompt_ids, [1], MAX_TOKENS, name="speculative")
-    counters = run.levels[0].counters
-    assert counters is not None
-    engine_rate = counters["acceptance_rate"]
-    verdict, reasons = decide_verdict(
-        engine_rate=engine_rate, simulator_rate=as_trained.acceptance_rate, tolerance=TOLERANCE,
-        lossless=True, mean_acceptance_length=counters["mean_acceptance_length"], min_acceptance_length=None,
+    assert doctor["layer_ids"]["layer_input_ids"] == [0, 2, 4]
+    assert doctor["layer_ids"]["trained_layer_input_ids"] == [1, 3, 5]
+    report = evaluate(
+        engine, pair.target_dir, shifted, pair.held_out_prompts, tmp_path / "eval",
+        max_tokens=MAX_TOKENS, concurrency=[1], num_speculative_tokens=K,
+        acceptance_tolerance=TOLERANCE, simulator=simulator, baseline=good.baseline,
     )  # fmt: skip
-    as_served = simulate(tuple(i - 1 for i in trained_ids))
+    acceptance = report.engine_acceptance
     print(
-        f"\n[off-by-one] engine {engine_rate:.3f} (startup {server.startup_s:.1f}s); simulator as trained "
-        f"{as_trained.acceptance_rate:.3f}, with the shifted ids {as_served.acceptance_rate:.3f}: {verdict}"
+        f"\n[off-by-one] engine {acceptance and acceptance['acceptance_rate']} vs {simulator.acceptance_rate}"
     )
-    assert verdict == VERDICT_FAULT, (engine_rate, as_trained.acceptance_rate)
-    assert any("tolerance" in reason for reason in reasons)
-    # The gap is the ids: simulated with the ids vLLM read, the simulator agrees with the engine again.
-    assert as_served.acceptance_rate is not None
-    assert abs(engine_rate - as_served.acceptance_rate) <= TOLERANCE
+    assert report.verdict == VERDICT_FAULT
+    assert any("trained on layer_input [1, 3, 5]" in reason for reason in report.reasons), report.reasons
+    assert report.lossless  # still lossless: the verifier rejects the bad drafts
+    assert acceptance is not None and acceptance["num_drafts"] > 0
 
 
 def test_tiny_deepseek_with_mla_drafter(deepseek_eval: Any) -> None:

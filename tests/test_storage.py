@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from moto_s3 import moto_s3_server
+
 from draftloop.infra import storage
 from draftloop.infra.storage import (
     DatasetWriter,
@@ -20,7 +22,6 @@ from draftloop.infra.storage import (
     read_manifest,
     read_shard,
 )
-from moto_s3 import moto_s3_server
 
 SHARDS = {f"shard-{i:05d}.bin": os.urandom(1000 + 37 * i) for i in range(3)}
 

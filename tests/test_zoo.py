@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftloop.infra.storage import load_prompts
-from draftloop.infra.zoo import EOS_TOKEN_ID, RECIPES, SPECIAL_TOKENS, create_tiny_model, ensure_model
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from draftloop.cli import app
+from draftloop.infra.storage import load_prompts
+from draftloop.infra.zoo import EOS_TOKEN_ID, RECIPES, SPECIAL_TOKENS, create_tiny_model, ensure_model
 
 
 def _hashes(folder: Path) -> dict[str, str]:

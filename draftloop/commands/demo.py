@@ -35,6 +35,7 @@ def demo_environment(state: Path) -> dict[str, str]:
         "RAY_AUTH_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",
         "DO_NOT_TRACK": "1",
+        "DRAFTLOOP_RAY_LOG_TO_DRIVER": "0",
     }
 
 

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 import httpx
+
 from draftloop.infra.engines.base import Engine, EngineError, EngineSettings, get_engine
 
 SHM_DIR = Path("/dev/shm")
