@@ -41,7 +41,9 @@ K = 3
 TOLERANCE = 0.05
 
 
-def _evaluate_pair(pair: Any, root: Path) -> tuple[Path, SimulatorFigures, EvalReport]:
+def _evaluate_pair(
+    pair: Any, root: Path, dtype: str = "float32"
+) -> tuple[Path, SimulatorFigures, EvalReport]:
     from draftloop.kernels.simulate import simulate_acceptance
 
     require_vllm_env()
@@ -50,7 +52,7 @@ def _evaluate_pair(pair: Any, root: Path) -> tuple[Path, SimulatorFigures, EvalR
         pair.target, pair.tokenizer, pair.drafter, pair.held_out_prompts, k=K, max_new_tokens=MAX_TOKENS
     )
     simulator = SimulatorFigures.from_report(simulation)
-    engine = get_engine("vllm", vllm_settings())
+    engine = get_engine("vllm", vllm_settings(dtype=dtype))
     report = evaluate(
         engine, pair.target_dir, drafter_dir, pair.held_out_prompts, root / "eval",
         max_tokens=MAX_TOKENS, concurrency=CONCURRENCY, num_speculative_tokens=K,
@@ -80,7 +82,10 @@ def deepseek_eval(
 ) -> tuple[Any, Path, SimulatorFigures, EvalReport]:
     pair = trained_pair("tiny-deepseek")
     assert pair.drafter.config.attention == "mla"
-    drafter_dir, simulator, report = _evaluate_pair(pair, tmp_path_factory.mktemp("vllm-deepseek"))
+    # vLLM's CPU MoE kernel takes no float32 weights ("expect weight to be bfloat16, ..."): serve in bf16.
+    drafter_dir, simulator, report = _evaluate_pair(
+        pair, tmp_path_factory.mktemp("vllm-deepseek"), "bfloat16"
+    )
     return pair, drafter_dir, simulator, report
 
 

@@ -69,7 +69,8 @@ COMMON_FATAL_PATTERNS: tuple[FatalPattern, ...] = (
         # vLLM prefixes lines of its child processes: "(EngineCore pid=1) ERROR 11-29 ... [file.py:9] ".
         r"^(?:\([\w-]+ pid=\d+\) )?(?:ERROR [^\]]*\] )?(?:[\w.]+\.)?"
         r"(?:AttributeError|KeyError|ValueError|RuntimeError|TypeError|AssertionError|"
-        r"ImportError|ModuleNotFoundError|NotImplementedError|FileNotFoundError|OSError|IndexError|"
+        # (FileNotFoundError/OSError left out: multiprocessing's finalizers print them harmlessly.)
+        r"ImportError|ModuleNotFoundError|NotImplementedError|IndexError|"
         r"NameError|pydantic_core\._pydantic_core\.ValidationError|ValidationError)\b:? .*$",
         after_traceback=True,
     ),

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,11 +95,36 @@ def _cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
-def _shm_files() -> set[str]:
-    try:
-        return {p.name for p in SHM_DIR.iterdir()}
-    except OSError:
-        return set()
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                # /proc/<pid>/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces.
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:
+                    pids.append(int(proc.name))
+    return pids
+
+
+def _shm_held_by(pids: list[int]) -> set[str]:
+    """/dev/shm files the processes `pids` have open or mapped."""
+    held: set[str] = set()
+    prefix = str(SHM_DIR) + "/"
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(prefix):
+                        held.add(target[len(prefix) :].split(" ")[0])
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text(errors="replace").splitlines():
+                index = line.find(prefix)
+                if index >= 0:
+                    held.add(line[index + len(prefix) :].split(" ")[0])
+    return held
 
 
 def _shm_in_use() -> set[str]:
@@ -122,6 +148,20 @@ def _shm_in_use() -> set[str]:
     return used
 
 
+_KMP_FILE = re.compile(r"^__KMP_REGISTERED_LIB_(\d+)_")
+
+
+def _pid_tagged_shm(pids: set[int]) -> set[str]:
+    """Files Intel OpenMP (libiomp5, preloaded for vLLM CPU) registers under its process id."""
+    names: set[str] = set()
+    with contextlib.suppress(OSError):
+        for path in SHM_DIR.iterdir():
+            match = _KMP_FILE.match(path.name)
+            if match and int(match.group(1)) in pids:
+                names.add(path.name)
+    return names
+
+
 def _remove_unused_shm(names: set[str]) -> list[str]:
     """Remove the /dev/shm files `names` that no live process holds; returns those removed."""
     if not names:
@@ -129,6 +169,9 @@ def _remove_unused_shm(names: set[str]) -> list[str]:
     in_use = _shm_in_use()
     removed = []
     for name in sorted(names - in_use):
+        match = _KMP_FILE.match(name)
+        if match and _pid_alive(int(match.group(1))):
+            continue
         with contextlib.suppress(OSError):
             (SHM_DIR / name).unlink()
             removed.append(name)
@@ -246,7 +289,8 @@ class EngineServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         self._started_at = 0.0
-        self._shm_before: set[str] = set()
+        self._own_shm: set[str] = set()
+        self._own_pids: set[int] = set()
         self._argv: list[str] = []
 
     # ---- properties --------------------------------------------------------------------------
@@ -289,7 +333,6 @@ class EngineServer:
         argv = launch.argv
         # Recorded as passed: it must equal /proc/<pid>/cmdline for the stale-server check.
         self._argv = argv
-        self._shm_before = _shm_files()
         log = self.log_path.open("wb")
         log.write(f"# draftloop: {' '.join(argv)}\n".encode())
         log.flush()
@@ -311,6 +354,15 @@ class EngineServer:
             _LIVE.add(self)
         self._write_pidfile()
         return self
+
+    def _record_own_shm(self) -> None:
+        """Tag the /dev/shm files this server's processes hold now as its own (pidfile included)."""
+        if self.process is None:
+            return
+        pids = _group_pids(self.process.pid)
+        self._own_pids.update(pids)
+        self._own_shm |= _shm_held_by(pids) | _pid_tagged_shm(self._own_pids)
+        self._write_pidfile(self._own_shm)
 
     def _write_pidfile(self, shm_files: set[str] | None = None) -> None:
         if self.process is None:
@@ -417,8 +469,7 @@ class EngineServer:
                     )
                 time.sleep(_POLL_S)
         self.startup_s = time.monotonic() - self._started_at
-        # Shared-memory files that appeared while this server started are its own: record them.
-        self._write_pidfile(_shm_files() - self._shm_before)
+        self._record_own_shm()
         return self.startup_s
 
     def smoke_test(self, prompt: str = "Say hello.", max_tokens: int = 16) -> SmokeResult:
@@ -461,6 +512,7 @@ class EngineServer:
         if process is None:
             return
         if process.poll() is None:
+            self._record_own_shm()
             _kill_group(process.pid, grace_s, leader=process)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5.0)
@@ -468,9 +520,9 @@ class EngineServer:
             # The leader exited; its children (engine core, workers) may not have.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
-        # Files that appeared in /dev/shm during this server's life and that no live process holds:
-        # the server's own leftovers (vLLM's shared-memory broadcast buffers).
-        _remove_unused_shm(_shm_files() - self._shm_before)
+        # The server's own /dev/shm files (held by its process group while it ran) that no live
+        # process holds any more: its leftovers. Files of other processes are never touched.
+        _remove_unused_shm(self._own_shm | _pid_tagged_shm(self._own_pids))
         self.pidfile.unlink(missing_ok=True)
         with _LIVE_LOCK:
             _LIVE.discard(self)
