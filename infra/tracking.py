@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -522,7 +521,3 @@ def plot_throughput_vs_concurrency(
     figure.savefig(out)
     plt.close(figure)
     return out
-
-
-def temp_dir(prefix: str = "draftloop-") -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix))
