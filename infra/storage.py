@@ -94,21 +94,7 @@ def write_bytes_atomic(uri: str, data: bytes, options: StorageOptions | None = N
 
     Local: a temporary file in the same folder, fsync, rename. Remote: one whole-object upload.
     """
-    if is_local(uri):
-        path = _local_path(uri)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return
-    fs, path_in_fs = filesystem(uri, options)
-    fs.pipe_file(path_in_fs, data)
+    write_chunks_atomic(uri, [data], options)
 
 
 def write_chunks_atomic(
@@ -140,7 +126,8 @@ def write_chunks_atomic(
             tmp.unlink(missing_ok=True)
         return digest.hexdigest(), size
     fs, path_in_fs = filesystem(uri, options)
-    data = b"".join(bytes(chunk) for chunk in chunks)  # S3: one whole-object upload
+    parts = list(chunks)
+    data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(bytes(p) for p in parts)
     fs.pipe_file(path_in_fs, data)
     return hashlib.sha256(data).hexdigest(), len(data)
 

@@ -77,6 +77,8 @@ class Recipe:
     layer_output_scale: float
     # Standard deviation of the untied output head: sets how peaked the next-token distribution is.
     lm_head_std: float
+    # Size of the per-layer marker in reserved hidden dimensions (0: none); see _add_layer_markers.
+    layer_marker_scale: float = 0.0
 
     def hf_config(self) -> Any:
         """The transformers config this recipe builds (cheap: no weights are created)."""
@@ -125,6 +127,7 @@ RECIPES: dict[str, Recipe] = {
         embedding_std=1.0,
         layer_output_scale=2.0,
         lm_head_std=0.5,
+        layer_marker_scale=float(os.environ.get("ZOO_MARKER", "16")),
     ),
     # DeepSeek-V3 shape (the Kimi-K2 / K2.5 family): MLA attention and a sigmoid-routed MoE.
     # vLLM's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576, and "noaux_tc" routing
@@ -275,6 +278,60 @@ def _reshape_weights(model: Any, recipe: Recipe, generator: Any) -> None:
             for name, param in model.named_parameters():
                 if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
                     param.mul_(recipe.layer_output_scale)
+        if recipe.layer_marker_scale:
+            _add_layer_markers(model, recipe.layer_marker_scale)
+
+
+def _add_layer_markers(model: Any, scale: float) -> None:
+    """Make every layer's hidden state distinctive, as in real LLMs, without changing what is predicted.
+
+    The embedding dominates these targets' residual stream, so adjacent layers' hidden states are
+    nearly identical (cosine ~0.999) and a drafter fed the wrong layers barely notices. Real models'
+    layers differ much more (an off-by-one layer id collapses acceptance). Here the last L+1 hidden
+    dimensions are reserved: nothing reads them (attention and MLP inputs, the output head) and nothing
+    writes them except one MLP unit per layer. The embedding puts `scale` in reserved dim 0, and layer
+    k's unit moves it from reserved dim k to reserved dim k+1, so the output of layer k carries a marker
+    of the same size in its own dimension. All of this is ordinary weights (vLLM serves it unchanged).
+    The marker adds a known energy to every RMSNorm's denominator, so the norms' weights on the real
+    dimensions are raised by the same factor and the real signal keeps its scale.
+    """
+    import torch
+
+    config = model.config
+    hidden, depth = int(config.hidden_size), int(config.num_hidden_layers)
+    reserved = list(range(hidden - depth - 1, hidden))
+    real = list(range(hidden - depth - 1))
+    # The real dimensions have rms ~1 (embedding_std 1; the layers add little), so the stream's rms
+    # with the marker is sqrt((|real| + scale^2) / hidden) instead of sqrt(|real| / hidden).
+    stream_rms = ((len(real) + scale**2) / hidden) ** 0.5
+    norm_gain = ((len(real) + scale**2) / len(real)) ** 0.5
+    # The mover unit's input is the marker after the post-attention norm: x = scale / stream_rms; its
+    # output silu(x) * x is rescaled so that exactly `scale` moves.
+    unit_input = scale / stream_rms
+    unit_output = unit_input * unit_input / (1.0 + float(torch.exp(torch.tensor(-unit_input))))
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[:, reserved] = 0.0
+        embed[:, reserved[0]] = scale
+        model.get_output_embeddings().weight[:, reserved] = 0.0
+        model.model.norm.weight[real] *= norm_gain
+        for index, layer in enumerate(model.model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            for reader in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+                reader.weight[:, reserved] = 0.0
+            for writer in (attention.o_proj, mlp.down_proj):
+                writer.weight[reserved, :] = 0.0
+            layer.input_layernorm.weight[real] *= norm_gain
+            layer.post_attention_layernorm.weight[real] *= norm_gain
+            unit = index  # intermediate unit `index` becomes this layer's mover
+            source, target = reserved[index], reserved[index + 1]
+            mlp.gate_proj.weight[unit, :] = 0.0
+            mlp.up_proj.weight[unit, :] = 0.0
+            mlp.gate_proj.weight[unit, source] = 1.0
+            mlp.up_proj.weight[unit, source] = 1.0
+            mlp.down_proj.weight[:, unit] = 0.0
+            mlp.down_proj.weight[source, unit] = -scale / unit_output
+            mlp.down_proj.weight[target, unit] = scale / unit_output
 
 
 # ---------------------------------------------------------------------------------------------
