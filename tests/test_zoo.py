@@ -155,6 +155,30 @@ def test_greedy_continuations_are_learnable(built: dict[str, Path], monkeypatch:
     assert hits / total < 1.0, "continuations should depend on more than the previous token"
 
 
+def test_tiny_llama_layers_carry_distinct_markers(
+    built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adjacent layers' hidden states differ (a drafter fed the wrong layer ids must notice), through
+    reserved dimensions that the output head never reads."""
+    tokenizer, model = _load(built["tiny-llama"], monkeypatch)
+    torch.set_num_threads(1)
+    recipe = RECIPES["tiny-llama"]
+    depth, scale = recipe.num_hidden_layers, recipe.layer_marker_scale
+    batch = tokenizer("Explain how a hash map works.", return_tensors="pt")  # type: ignore[operator]
+    with torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states  # type: ignore[operator]
+    reserved = slice(recipe.hidden_size - depth - 1, recipe.hidden_size)
+    for index in range(depth):  # the last entry is after the final norm
+        marker = hidden[index][0, :, reserved]
+        assert int(marker.abs().mean(0).argmax()) == index
+        assert marker[:, index].min() > 0.5 * scale
+    for index in range(1, depth):
+        cosine = torch.nn.functional.cosine_similarity(hidden[index], hidden[index - 1], dim=-1).mean()
+        assert cosine < 0.8, f"layers {index - 1} and {index}: cosine {cosine:.3f}"
+    head = model.get_output_embeddings().weight  # type: ignore[attr-defined]
+    assert torch.count_nonzero(head[:, reserved]) == 0
+
+
 def test_ensure_model_builds_only_when_needed(tmp_path: Path) -> None:
     path = tmp_path / "m"
     with pytest.raises(FileNotFoundError):
