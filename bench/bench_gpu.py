@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds
@@ -96,8 +97,9 @@ def matmul_peak(dev: str) -> float:
 
 
 def bench_extraction(s: dict[str, int], dev: str, workdir: Path, batches: int) -> Any:
-    from draftloop.infra.storage import DatasetWriter, read_manifest
     from transformers import LlamaForCausalLM
+
+    from draftloop.infra.storage import DatasetWriter, read_manifest
 
     with torch.device(dev):
         target = LlamaForCausalLM(target_config(s)).to(torch.bfloat16).eval()

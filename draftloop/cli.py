@@ -17,7 +17,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """draftloop: synthesize -> extract -> train -> serve -> measure -> register, as one retryable run."""

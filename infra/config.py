@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from draftloop.kernels.layer_ids import CONVENTION_ALIASES, LayerIds, normalize_convention
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+from draftloop.kernels.layer_ids import CONVENTION_ALIASES, LayerIds, normalize_convention
 
 KNOWN_ENGINES = ("vllm", "sglang")
 # Each engine reads aux layer ids from a drafter config in its own convention; kept here only to say
