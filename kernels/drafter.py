@@ -669,9 +669,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
-def _native_config(drafter: Eagle3Drafter, engine: str) -> dict[str, Any]:
+def _native_config(drafter: Eagle3Drafter, engine: str, capture_ids: LayerIds) -> dict[str, Any]:
     cfg = drafter.config
-    ids = list(cfg.aux_layer_ids.to_engine(engine).ids)
+    ids = list(capture_ids.to_engine(engine).ids)
     data: dict[str, Any] = {
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
@@ -726,20 +726,40 @@ def _native_config(drafter: Eagle3Drafter, engine: str) -> dict[str, Any]:
     return data
 
 
+class LayerIdExportError(ValueError):
+    """Export asked for aux layer ids other than those the drafter was trained on."""
+
+
 def save_drafter(
     drafter: Eagle3Drafter,
     out_dir: str | os.PathLike[str],
     engine: str = "vllm",
     metadata: Mapping[str, Any] | None = None,
+    layer_ids: LayerIds | None = None,
+    allow_layer_mismatch: bool = False,
 ) -> Path:
-    """Write the engine-native folder: config.json + model.safetensors (no embedding)."""
+    """Write the engine-native folder: config.json + model.safetensors (no embedding).
+
+    The engine captures the ids written to ``eagle_aux_hidden_state_layer_ids`` (converted to its
+    convention). They are the trained ids; ``layer_ids`` may restate them (any convention) and is refused
+    when it names other tensors, unless ``allow_layer_mismatch`` (to measure what a wrong export costs).
+    The ``draftloop`` block always records the trained ids.
+    """
     if engine not in ("vllm", "sglang"):
         raise ValueError(f"engine must be 'vllm' or 'sglang', got {engine!r}")
+    cfg = drafter.config
+    capture_ids = cfg.aux_layer_ids if layer_ids is None else layer_ids.to("layer_input")
+    if capture_ids.ids != cfg.aux_layer_ids.ids and not allow_layer_mismatch:
+        raise LayerIdExportError(
+            f"drafter was trained on aux layers {list(cfg.aux_layer_ids.ids)} (layer_input) but the export "
+            f"asks the engine to capture {list(capture_ids.ids)} (layer_input"
+            + (f"; given as {list(layer_ids.ids)} {layer_ids.convention}" if layer_ids is not None else "")
+            + "): it would read other tensors than it was trained on"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = drafter.config
-    config = _native_config(drafter, engine)
-    exported = cfg.aux_layer_ids.to_engine(engine)
+    config = _native_config(drafter, engine, capture_ids)
+    exported = capture_ids.to_engine(engine)
     config["draftloop"] = {
         "format_version": FORMAT_VERSION,
         "aux_layer_ids": list(cfg.aux_layer_ids.ids),

@@ -21,6 +21,7 @@ from draftloop.kernels.drafter import (
     DrafterConfig,
     DrafterFormatError,
     Eagle3Drafter,
+    LayerIdExportError,
     export_speculators,
     load_drafter,
     load_target_head,
@@ -361,3 +362,21 @@ def test_export_speculators_format(tmp_path: Path) -> None:
     for name, tensor in drafter.weights_state_dict().items():
         native = "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
         assert torch.equal(state[native].to(tensor.dtype), tensor), native
+
+
+def test_export_with_other_layer_ids_is_refused_naming_both_sets(tmp_path: Path) -> None:
+    drafter = make_drafter("llama")
+    trained = list(drafter.config.aux_layer_ids.ids)
+    shifted = LayerIds(tuple(i - 1 for i in trained), "layer_input")
+    with pytest.raises(LayerIdExportError) as refused:
+        save_drafter(drafter, tmp_path / "bad", engine="vllm", layer_ids=shifted)
+    assert str(trained) in str(refused.value) and str(list(shifted.ids)) in str(refused.value)
+    assert not (tmp_path / "bad" / "config.json").exists()  # nothing half-written
+    # The same tensors named in SGLang's convention are the trained ids: accepted.
+    same = LayerIds(tuple(i - 1 for i in trained), "layer_output")
+    save_drafter(drafter, tmp_path / "ok", engine="sglang", layer_ids=same)
+    # Forced (to measure what a wrong export costs): the engine gets the shifted ids, the record stays true.
+    save_drafter(drafter, tmp_path / "forced", engine="vllm", layer_ids=shifted, allow_layer_mismatch=True)
+    config = json.loads((tmp_path / "forced" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(shifted.ids)
+    assert config["draftloop"]["aux_layer_ids"] == trained
