@@ -292,6 +292,10 @@ def _reshape_weights(model: Any, recipe: Recipe, generator: Any) -> None:
             _add_layer_markers(model, recipe.layer_marker_scale)
 
 
+# Decoder-layer parameters that write the residual stream (hidden size is their second-last dim).
+_WRITER_SUFFIXES = ("o_proj.weight", "down_proj.weight", "down_proj")
+
+
 def _add_layer_markers(model: Any, scale: float) -> None:
     """Make every layer's hidden state distinctive, as in real LLMs, without changing what is predicted.
 
@@ -326,13 +330,21 @@ def _add_layer_markers(model: Any, scale: float) -> None:
         model.get_output_embeddings().weight[:, reserved] = 0.0
         model.model.norm.weight[real] *= norm_gain
         for index, layer in enumerate(model.model.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            for reader in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
-                reader.weight[:, reserved] = 0.0
-            for writer in (attention.o_proj, mlp.down_proj):
-                writer.weight[reserved, :] = 0.0
+            # Cut every projection of the layer off the reserved dims: writers (attention output,
+            # MLP/expert down projections: hidden is their second-last dim) do not write them,
+            # readers (attention inputs, router, MLP/expert gate/up: hidden is their last dim) do
+            # not read them. Norm weights are 1-D and handled below.
+            for name, param in layer.named_parameters():
+                if param.dim() < 2 or "layernorm" in name:
+                    continue
+                if name.endswith(_WRITER_SUFFIXES):
+                    param[..., reserved, :] = 0.0
+                elif param.shape[-1] == hidden:
+                    param[..., reserved] = 0.0
             layer.input_layernorm.weight[real] *= norm_gain
             layer.post_attention_layernorm.weight[real] *= norm_gain
+            # The mover is a unit of a dense MLP: the layer's own, or the MoE's always-on shared expert.
+            mlp = getattr(layer.mlp, "shared_experts", None) or layer.mlp
             unit = index  # intermediate unit `index` becomes this layer's mover
             source, target = reserved[index], reserved[index + 1]
             mlp.gate_proj.weight[unit, :] = 0.0
