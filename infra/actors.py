@@ -29,8 +29,12 @@ RAY_START_CALLBACKS: list[Any] = []
 def ray_environment(address: str | None) -> dict[str, str]:
     """Environment Ray needs before `ray.init` (set in os.environ by `ensure_ray`)."""
     env = {"RAY_TMPDIR": os.environ.get("RAY_TMPDIR", _DEFAULT_RAY_TMPDIR)}
-    if address is None and "RAY_AUTH_TOKEN_PATH" not in os.environ:
+    has_token = "RAY_AUTH_TOKEN_PATH" in os.environ or "RAY_AUTH_TOKEN" in os.environ
+    if address is None and not has_token:
         env.update(_LOCAL_RAY_ENV)
+    elif address is not None and has_token:
+        # A driver joining a token-auth cluster sends its token only in explicit token mode.
+        env["RAY_AUTH_MODE"] = "token"
     return env
 
 

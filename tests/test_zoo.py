@@ -155,19 +155,21 @@ def test_greedy_continuations_are_learnable(built: dict[str, Path], monkeypatch:
     assert hits / total < 1.0, "continuations should depend on more than the previous token"
 
 
-def test_tiny_llama_layers_carry_distinct_markers(
-    built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("recipe", sorted(name for name, spec in RECIPES.items() if spec.layer_marker_scale))
+def test_layers_carry_distinct_markers(
+    recipe: str, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Adjacent layers' hidden states differ (a drafter fed the wrong layer ids must notice), through
     reserved dimensions that the output head never reads."""
-    tokenizer, model = _load(built["tiny-llama"], monkeypatch)
+    tokenizer, model = _load(built[recipe], monkeypatch)
     torch.set_num_threads(1)
-    recipe = RECIPES["tiny-llama"]
-    depth, scale = recipe.num_hidden_layers, recipe.layer_marker_scale
+    spec = RECIPES[recipe]
+    depth, scale = spec.num_hidden_layers, spec.layer_marker_scale
+    assert scale > 0
     batch = tokenizer("Explain how a hash map works.", return_tensors="pt")  # type: ignore[operator]
     with torch.no_grad():
         hidden = model(**batch, output_hidden_states=True).hidden_states  # type: ignore[operator]
-    reserved = slice(recipe.hidden_size - depth - 1, recipe.hidden_size)
+    reserved = slice(spec.hidden_size - depth - 1, spec.hidden_size)
     for index in range(depth):  # the last entry is after the final norm
         marker = hidden[index][0, :, reserved]
         assert int(marker.abs().mean(0).argmax()) == index

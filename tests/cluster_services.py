@@ -1,0 +1,219 @@
+"""Throwaway servers for tests/test_flow_cluster.py: PostgreSQL, an MLflow tracking server, a Ray head.
+
+Each is a context manager that starts one real server on 127.0.0.1 and a free port, waits until it
+answers, yields how to reach it, and stops it by PID (or its own stop command) on the way out.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO_ROOT / ".venv" / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def postgres_bin_dir() -> Path | None:
+    """Folder of Debian's initdb/pg_ctl, or None when PostgreSQL is not installed."""
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(os.path.realpath(found)).parent
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+    return Path(candidates[-1]).parent if candidates else None
+
+
+def _as_postgres(argv: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: run its tools as the `postgres` user then."""
+    return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else argv
+
+
+def _stop_group(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    """SIGTERM the process group led by `process` (started with start_new_session), then SIGKILL."""
+    if process.poll() is not None:
+        return
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@contextmanager
+def postgres_server() -> Iterator[str]:
+    """A fresh PostgreSQL cluster in a temporary folder; yields a SQLAlchemy URI of its `postgres` db."""
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        raise RuntimeError("PostgreSQL is not installed (.ci/run installs Debian's postgresql package)")
+    # Not under pytest's tmp_path: that is root-only (0700), and the server runs as `postgres`.
+    root = Path(tempfile.mkdtemp(prefix="draftloop-pg-"))
+    data = root / "data"
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    port = free_port()
+    log = root / "server.log"
+    subprocess.run(
+        _as_postgres(
+            [str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8"]
+        ),
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+    try:
+        subprocess.run(
+            _as_postgres(
+                [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start"]
+            ),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        stopped = subprocess.run(
+            _as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
+            capture_output=True,
+            timeout=60,
+        )
+        pid_file = data / "postmaster.pid"
+        if stopped.returncode != 0 and pid_file.exists():  # pg_ctl could not stop it: by PID
+            with suppress(ValueError, ProcessLookupError):
+                os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+        with suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def mlflow_server(
+    backend_uri: str, artifacts_destination: str, s3_endpoint: str, credentials: dict[str, str], log_dir: Path
+) -> Iterator[str]:
+    """`mlflow server` over `backend_uri`, proxying artifacts to `artifacts_destination`; yields its URL."""
+    port = free_port()
+    env = {
+        **os.environ,
+        **credentials,
+        "MLFLOW_S3_ENDPOINT_URL": s3_endpoint,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+    log = log_dir / "mlflow-server.log"
+    command = [
+        str(VENV_BIN / "mlflow"),
+        "server",
+        "--backend-store-uri",
+        backend_uri,
+        "--artifacts-destination",
+        artifacts_destination,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", process, log, timeout_s=150)
+        yield url
+    finally:
+        _stop_group(process)
+
+
+@contextmanager
+def ray_head(log_dir: Path, num_cpus: int = 2) -> Iterator[tuple[str, dict[str, str]]]:
+    """A Ray head started with `ray start`; yields (address, env a driver needs to join it).
+
+    Token auth stays on (Ray's default for a cluster): the token lives in a file both sides name
+    through RAY_AUTH_TOKEN_PATH, as infra/actors.py expects for a cluster address. AWS credentials are
+    kept out of the head's environment, so its workers only see what the driver passes them.
+    """
+    # Short: Ray's Unix socket paths must stay under 107 bytes.
+    tmp = Path(tempfile.mkdtemp(prefix="dlray-", dir="/tmp"))
+    driver_env = {"RAY_TMPDIR": str(tmp), "RAY_AUTH_TOKEN_PATH": str(tmp / "auth_token")}
+    (tmp / "auth_token").write_text(os.urandom(16).hex())
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    env.pop("RAY_AUTH_MODE", None)
+    env.update(driver_env)
+    port = free_port()
+    ports = {
+        "--ray-client-server-port": free_port(),
+        "--node-manager-port": free_port(),
+        "--object-manager-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+    }
+    ray = str(VENV_BIN / "ray")
+    command = [ray, "start", "--head", "--port", str(port), "--num-cpus", str(num_cpus)]
+    command += ["--include-dashboard=false", "--node-ip-address", "127.0.0.1", "--temp-dir", str(tmp)]
+    for flag, value in ports.items():
+        command += [flag, str(value)]
+    log = log_dir / "ray-start.log"
+    try:
+        with open(log, "wb") as sink:
+            subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT, check=True, timeout=180)
+        yield f"127.0.0.1:{port}", driver_env
+    finally:
+        # Not `ray stop`: it stops every Ray on the machine. This head's processes name its temp dir.
+        _stop_pids(_pids_naming(str(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pids_naming(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains `marker`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with suppress(OSError):
+            if marker.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+    return pids
+
+
+def _stop_pids(pids: list[int], timeout_s: float = 20) -> None:
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,139 @@
+"""The cycle against a Ray cluster, a remote MLflow (PostgreSQL + S3 artifacts) and S3 storage: config only.
+
+Real servers on 127.0.0.1: moto (S3), PostgreSQL (MLflow's backend store), `mlflow server` proxying
+artifacts to the S3 bucket, and a Ray head started with `ray start`. The flow runs up to `train` with
+nothing but config overrides pointing at them; the test then reads back what each server holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cluster_services import mlflow_server, postgres_bin_dir, postgres_server, ray_head
+from fixtures_flow import FlowEnv, small_config
+from moto_s3 import DUMMY_CREDENTIALS, moto_s3_server
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "draftloop-cluster"
+STAGES_RUN = ["synthesize", "extract", "train"]
+
+
+def _cluster_config(workdir: Path, target_dir: Path) -> Path:
+    """The flow tests' small config, with storage/tracking/ray back at the shipped local defaults.
+
+    So a run that ignored the cluster overrides would write under `workdir/.draftloop` (checked below).
+    """
+    shipped: dict[str, Any] = yaml.safe_load(
+        (Path(__file__).parent.parent / "configs/tiny-llama.yaml").read_text()
+    )
+    config = small_config(workdir, target_dir)
+    config["name"] = "cluster-test"
+    for section in ("storage", "tracking", "ray"):
+        config[section] = shipped[section]
+    path = workdir / "cluster-test.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _actor_classes(address: str) -> list[str]:
+    """Class names of every actor the cluster's GCS has seen (live or dead), read by a fresh driver."""
+    import ray
+    import ray._private.state as ray_state
+
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        actors: dict[str, Any] = ray_state.actors()
+        return [str(info.get("ActorClassName", "")) for info in actors.values()]
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.skipif(postgres_bin_dir() is None, reason="PostgreSQL is not installed (.ci/run installs it)")
+def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
+    flow_env: FlowEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    config_path = _cluster_config(workdir, flow_env.workdir / "models" / "tiny-llama")
+
+    with (
+        moto_s3_server(buckets=(BUCKET,)) as s3_endpoint,
+        postgres_server() as backend_uri,
+        mlflow_server(
+            backend_uri, f"s3://{BUCKET}/mlartifacts", s3_endpoint, DUMMY_CREDENTIALS, tmp_path
+        ) as mlflow_uri,
+        ray_head(tmp_path) as (ray_address, ray_env),
+    ):
+        for key, value in ray_env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the cluster keeps token auth on
+
+        from draftloop.flows.stages import train_flow
+        from draftloop.flows.train_and_eval import TrainAndEvalParams
+
+        params = TrainAndEvalParams(
+            config=str(config_path),
+            num_samples=16,
+            overrides={
+                "storage.root": f"s3://{BUCKET}/runs",
+                "storage.s3_endpoint_url": s3_endpoint,
+                "tracking.mlflow_uri": mlflow_uri,
+                "ray.address": ray_address,
+                "training.epochs": 1,
+            },
+        )
+        summary: dict[str, Any] = train_flow(params)
+
+        assert summary["status"] == "completed", summary
+        assert list(summary["stages"]) == STAGES_RUN
+        assert summary["cache_hits"] == []
+
+        # Storage: every stage's committed manifest, the drafter checkpoint and the summary are in S3.
+        import s3fs
+
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+        for stage in STAGES_RUN:
+            uri = summary["stages"][stage]["uri"]
+            assert uri.startswith(f"s3://{BUCKET}/runs/cluster-test/{stage}/"), uri
+            assert fs.exists(f"{uri}/manifest.json"), uri
+        drafter_uri = summary["stages"]["train"]["uri"]
+        assert fs.size(f"{drafter_uri}/model.safetensors") > 0
+        assert fs.exists(f"{drafter_uri}/config.json")
+        assert summary["run_folder"].startswith(f"s3://{BUCKET}/runs/")
+        assert fs.exists(f"{summary['run_folder']}/summary.json")
+
+        # MLflow: the parent run, its nested stage runs and the training curve, through the server.
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=mlflow_uri)
+        parent = client.get_run(summary["mlflow_run_id"])
+        assert parent.info.status == "FINISHED"
+        assert parent.data.params["training.epochs"] == "1"
+        assert parent.data.params["ray.address"] == ray_address
+        children = client.search_runs(
+            [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+        )
+        by_stage = {run.data.tags["draftloop.stage"]: run for run in children}
+        assert set(by_stage) == set(STAGES_RUN)
+        assert all(run.info.status == "FINISHED" for run in children)
+        losses = client.get_metric_history(by_stage["train"].info.run_id, "loss")
+        assert losses and all(entry.value > 0 for entry in losses)
+        # Artifacts went through the server into the bucket, not into a folder on this machine.
+        assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
+        artifact_objects = fs.find(f"{BUCKET}/mlartifacts")
+        assert any(key.endswith("/config.json") for key in artifact_objects), artifact_objects
+        assert any("/drafter/" in key for key in artifact_objects), artifact_objects
+
+        # Ray: the stages' actors ran on the cluster this test started.
+        classes = _actor_classes(ray_address)
+        assert "TargetGenerator" in classes, classes
+        assert "HiddenStateExtractor" in classes, classes
+        assert any("TrainWorker" in name or "Train" in name for name in classes), classes
+
+    # Nothing fell back to the shipped local defaults in the working folder.
+    assert not (workdir / ".draftloop").exists(), sorted(str(p) for p in (workdir / ".draftloop").rglob("*"))
