@@ -47,6 +47,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         return False
     for key, value in ray_environment(address).items():
         os.environ.setdefault(key, value)
+    _reload_ray_auth_settings()
     Path(os.environ["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     ray.init(
         address=address,
@@ -57,13 +58,42 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         log_to_driver=os.environ.get("DRAFTLOOP_RAY_LOG_TO_DRIVER", "1") != "0",
         configure_logging=False,
         # Tokenizers must not start a thread pool per worker on a 2-core machine.
-        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **_forwarded_credentials()}},
     )
     _started_here = True
     for callback in list(RAY_START_CALLBACKS):
         with suppress(Exception):
             callback()
     return True
+
+
+# Storage credentials workers need to read/write S3 (training reads shards there); config holds none.
+_FORWARDED_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+)
+
+
+def _forwarded_credentials() -> dict[str, str]:
+    """The driver's S3 credentials, for this job's Ray workers (a cluster's nodes may have none)."""
+    return {key: os.environ[key] for key in _FORWARDED_ENV if os.environ.get(key)}
+
+
+def _reload_ray_auth_settings() -> None:
+    """Make Ray re-read RAY_AUTH_* now: it reads them once, when `ray` is first imported.
+
+    Without this a process that imported Ray (or ran a local, auth-less Ray) before cannot join a
+    token-auth cluster named later by a config. Ray's own tests reset the same two caches.
+    """
+    with suppress(Exception):
+        import importlib
+
+        raylet: Any = importlib.import_module("ray._raylet")  # compiled module: no type stubs
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def started_here() -> bool:

@@ -166,7 +166,8 @@ class Tracker:
         if found is None:
             try:
                 self.experiment_id = self.client.create_experiment(
-                    experiment, artifact_location=experiment_artifact_location(self.tracking_uri, artifact_root)
+                    experiment,
+                    artifact_location=experiment_artifact_location(self.tracking_uri, artifact_root),
                 )
             except MlflowException:  # created concurrently by another process
                 found = self.client.get_experiment_by_name(experiment)
