@@ -97,6 +97,8 @@ class RequestResult:
     latency_s: float
     error: str | None = None
     response_counters: SpecCounters | None = None
+    # Per generated token: (token text, its top-2 logprobs {text: logprob}) when the server returned them.
+    token_logprobs: list[tuple[str, dict[str, float]]] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -128,6 +130,8 @@ class ServerRun:
     smoke_content: str | None
     levels: list[ConcurrencyResult]
     outputs: list[str]  # greedy output per prompt (from the first level)
+    # Per prompt, per token: (token text, top-2 logprobs), from the first level (numeric-tie check).
+    output_logprobs: list[list[tuple[str, dict[str, float]]]] = field(default_factory=list)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -151,6 +155,7 @@ async def _one_request(
     usage_tokens: int | None = None
     chunks_with_text = 0
     counters: SpecCounters | None = None
+    token_logprobs: list[tuple[str, dict[str, float]]] = []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -172,6 +177,7 @@ async def _one_request(
                             first = time.perf_counter() - started
                         pieces.append(text)
                         chunks_with_text += 1
+                    token_logprobs.extend(_choice_logprobs(choice))
                 usage = chunk.get("usage")
                 if isinstance(usage, Mapping) and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
@@ -181,7 +187,45 @@ async def _one_request(
     except httpx.HTTPError as exc:
         return RequestResult(index, "".join(pieces), 0, first, time.perf_counter() - started, repr(exc))
     tokens = usage_tokens if usage_tokens is not None else chunks_with_text
-    return RequestResult(index, "".join(pieces), tokens, first, time.perf_counter() - started, None, counters)
+    latency = time.perf_counter() - started
+    return RequestResult(index, "".join(pieces), tokens, first, latency, None, counters, token_logprobs)
+
+
+def _choice_logprobs(choice: Mapping[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    """(token, top logprobs) pairs of an OpenAI completions chunk's `logprobs`, if present."""
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, Mapping):
+        return []
+    tokens = logprobs.get("tokens") or []
+    tops = logprobs.get("top_logprobs") or [{} for _ in tokens]
+    return [
+        (str(t), {str(k): float(v) for k, v in (top or {}).items()})
+        for t, top in zip(tokens, tops, strict=False)
+    ]
+
+
+# A greedy flip between two tokens whose logprobs, under the baseline's own numerics, differ by less than
+# this is a numerical tie (bf16 kernels of a multi-token verify step vs single-token decode), not a loss.
+NUMERIC_TIE_NATS = 0.15
+
+
+def numeric_tie_at_divergence(
+    baseline: Sequence[tuple[str, Mapping[str, float]]],
+    speculative: Sequence[tuple[str, Mapping[str, float]]],
+    tolerance: float = NUMERIC_TIE_NATS,
+) -> dict[str, Any] | None:
+    """Where two greedy token streams first differ, the baseline's logprob gap between its token and the
+    speculative server's; a dict when that gap is within ``tolerance`` (a tie), else None."""
+    for position, ((base_token, top), (spec_token, _)) in enumerate(zip(baseline, speculative, strict=False)):
+        if base_token == spec_token:
+            continue
+        if base_token not in top or spec_token not in top:
+            return None
+        gap = top[base_token] - top[spec_token]
+        if gap > tolerance:
+            return None
+        return {"position": position, "baseline": base_token, "speculative": spec_token, "gap_nats": gap}
+    return None
 
 
 async def _run_level(
@@ -207,6 +251,7 @@ async def _run_level(
                 "temperature": 0.0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                "logprobs": 2,  # top-2 per token: tells a numerical tie from a real loss
                 **engine.request_extras(),
             }
             async with semaphore:
@@ -249,6 +294,7 @@ def benchmark_server(
     """Measure one running server at each concurrency; counters differenced around each level."""
     levels: list[ConcurrencyResult] = []
     outputs: list[str] = []
+    output_logprobs: list[list[tuple[str, dict[str, float]]]] = []
     for level_index, level in enumerate(concurrency):
         # At least `level` requests so that the level is really reached; prompts are cycled.
         count = max(len(prompt_ids), int(level), int(requests_per_level or 0))
@@ -287,6 +333,7 @@ def benchmark_server(
         if level_index == 0:
             by_index = {r.index: r for r in results}
             outputs = [by_index[i].text if by_index[i].error is None else "" for i in range(len(prompt_ids))]
+            output_logprobs = [by_index[i].token_logprobs for i in range(len(prompt_ids))]
             failed = [r for r in results if r.error is not None]
             if failed:
                 raise RuntimeError(
@@ -299,6 +346,7 @@ def benchmark_server(
         smoke_content=smoke_content,
         levels=levels,
         outputs=outputs,
+        output_logprobs=output_logprobs,
     )
 
 
@@ -379,7 +427,7 @@ class EvalReport:
     speculative: ServerRun
     speedup: dict[int, float | None]
     lossless: bool
-    mismatched_prompts: list[int]
+    mismatched_prompts: list[int]  # greedy outputs differ beyond a numerical tie
     engine_acceptance: dict[str, Any] | None
     simulator: dict[str, Any] | None
     acceptance_gap: float | None
@@ -388,6 +436,9 @@ class EvalReport:
     reasons: list[str]
     engine_layer_ids: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)
+    # Prompts whose greedy outputs differ only from a numerical tie at the first divergence (see
+    # numeric_tie_at_divergence): prompt index -> {position, baseline, speculative, gap_nats}.
+    numeric_ties: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -612,9 +663,18 @@ def evaluate(
     if simulator is not None and not isinstance(simulator, SimulatorFigures):
         simulator = SimulatorFigures.from_report(simulator)
 
-    mismatched = [
+    differing = [
         i for i, (a, b) in enumerate(zip(baseline.outputs, speculative.outputs, strict=True)) if a != b
     ]
+    # Lossless within one numeric mode: a differing prompt is excused only when its first divergence is
+    # a near-tie in the baseline's own logprobs.
+    numeric_ties: dict[int, dict[str, Any]] = {}
+    for i in differing:
+        if i < len(baseline.output_logprobs) and i < len(speculative.output_logprobs):
+            tie = numeric_tie_at_divergence(baseline.output_logprobs[i], speculative.output_logprobs[i])
+            if tie is not None:
+                numeric_ties[i] = tie
+    mismatched = [i for i in differing if i not in numeric_ties]
     acceptance = engine_acceptance(speculative)
     engine_rate = acceptance.get("acceptance_rate") if acceptance else None
     sim_rate = simulator.acceptance_rate if simulator is not None else None
@@ -656,6 +716,7 @@ def evaluate(
         speedup=speedup,
         lossless=not mismatched,
         mismatched_prompts=mismatched,
+        numeric_ties=numeric_ties,
         engine_acceptance=acceptance,
         simulator=asdict(simulator) if simulator is not None else None,
         acceptance_gap=gap,

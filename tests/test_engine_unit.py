@@ -605,3 +605,16 @@ def test_exported_ids_that_differ_from_the_trained_ones_are_detected(tmp_path: P
     assert exported_layer_id_mismatch(sglang, bad) is None  # the same ids are right for SGLang
     published = write_config(tmp_path / "pub", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
     assert exported_layer_id_mismatch(vllm, published) is None  # no training record to compare with
+
+
+def test_numeric_tie_excuses_only_near_ties_at_the_first_divergence() -> None:
+    from draftloop.infra.evaluate import numeric_tie_at_divergence
+
+    base = [("a", {"a": -0.1, "b": -2.0}), ("c", {"c": -0.60, "d": -0.70}), ("e", {"e": -0.1})]
+    flip_near_tie = [("a", {}), ("d", {}), ("x", {})]
+    tie = numeric_tie_at_divergence(base, flip_near_tie)
+    assert tie is not None and tie["position"] == 1 and tie["speculative"] == "d"
+    assert abs(tie["gap_nats"] - 0.10) < 1e-9
+    assert numeric_tie_at_divergence(base, [("b", {}), ("c", {}), ("e", {})]) is None  # gap 1.9 nats: a loss
+    assert numeric_tie_at_divergence(base, [("a", {}), ("z", {}), ("e", {})]) is None  # not in the top-2
+    assert numeric_tie_at_divergence(base, base) is None  # identical streams: nothing to excuse
