@@ -22,26 +22,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from .capture import capture_aux_hidden_states
+from .counters import SpecCounters
 from .layer_ids import LayerIds
 
 if TYPE_CHECKING:
     from .drafter import Eagle3Drafter
 
 __all__ = [
-    "AcceptanceCounters",
     "LayerIdMismatchError",
     "PromptResult",
     "SimulationInputError",
     "SimulationReport",
     "StepRecord",
-    "TeacherForcedEstimate",
     "encode_prompt",
     "resolve_capture_layer_ids",
     "simulate_acceptance",
@@ -60,77 +59,6 @@ class SimulationInputError(ValueError):
 
 class LayerIdMismatchError(SimulationInputError):
     """The layer ids requested for capture are not the ones the drafter was trained on (or are invalid)."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Counters, exactly vLLM's
-
-
-@dataclass
-class AcceptanceCounters:
-    """vLLM's spec-decode counters (`SpecDecodingStats`): one `observe` per verified draft."""
-
-    num_spec_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.accepted_per_pos:
-            self.accepted_per_pos = [0] * self.num_spec_tokens
-
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        if not 0 <= num_accepted_tokens <= min(num_draft_tokens, self.num_spec_tokens):
-            raise ValueError(f"accepted {num_accepted_tokens} of {num_draft_tokens} draft tokens")
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        for position in range(num_accepted_tokens):
-            self.accepted_per_pos[position] += 1
-
-    def merge(self, other: AcceptanceCounters) -> None:
-        if other.num_spec_tokens != self.num_spec_tokens:
-            raise ValueError("cannot merge counters of different numbers of speculative tokens")
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.accepted_per_pos = [
-            a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)
-        ]
-
-    @property
-    def acceptance_rate(self) -> float:
-        """accepted / draft tokens (NaN before any draft, like vLLM's log line)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """1 + accepted / drafts: tokens gained per target forward, the bonus token included."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """accepted_per_pos[i] / drafts: how often draft position i (0-based) was accepted."""
-        if not self.num_drafts:
-            return [float("nan")] * self.num_spec_tokens
-        return [count / self.num_drafts for count in self.accepted_per_pos]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "num_spec_tokens": self.num_spec_tokens,
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_pos": list(self.accepted_per_pos),
-            "acceptance_rate": _json_float(self.acceptance_rate),
-            "mean_acceptance_length": _json_float(self.mean_acceptance_length),
-            "per_position_acceptance": [_json_float(rate) for rate in self.per_position_acceptance],
-        }
-
-
-def _json_float(value: float) -> float | None:
-    return None if value != value else value  # NaN -> null
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -165,7 +93,7 @@ class SimulationReport:
 
     k: int
     max_new_tokens: int
-    counters: AcceptanceCounters
+    counters: SpecCounters
     results: list[PromptResult]
     elapsed_s: float
     capture_layer_ids: list[int]  # layer_input convention: the ids actually captured
@@ -174,26 +102,26 @@ class SimulationReport:
 
     @property
     def num_drafts(self) -> int:
-        return self.counters.num_drafts
+        return int(self.counters.num_drafts)
 
     @property
     def num_draft_tokens(self) -> int:
-        return self.counters.num_draft_tokens
+        return int(self.counters.num_draft_tokens)
 
     @property
     def num_accepted_tokens(self) -> int:
-        return self.counters.num_accepted_tokens
+        return int(self.counters.num_accepted_tokens)
 
     @property
-    def accepted_per_pos(self) -> list[int]:
-        return list(self.counters.accepted_per_pos)
+    def accepted_per_position(self) -> list[int]:
+        return [int(count) for count in self.counters.accepted_per_position]
 
     @property
-    def acceptance_rate(self) -> float:
+    def acceptance_rate(self) -> float | None:
         return self.counters.acceptance_rate
 
     @property
-    def mean_acceptance_length(self) -> float:
+    def mean_acceptance_length(self) -> float | None:
         return self.counters.mean_acceptance_length
 
     @property
@@ -205,8 +133,8 @@ class SimulationReport:
         return sum(len(result.output_token_ids) for result in self.results)
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+    def tokens_per_second(self) -> float | None:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -216,7 +144,7 @@ class SimulationReport:
             "num_prompts": len(self.results),
             "num_output_tokens": self.num_output_tokens,
             "elapsed_s": self.elapsed_s,
-            "tokens_per_second": _json_float(self.tokens_per_second),
+            "tokens_per_second": self.tokens_per_second,
             "capture_layer_ids": self.capture_layer_ids,
             "drafter_layer_ids": self.drafter_layer_ids,
             "layer_ids_forced": self.layer_ids_forced,
@@ -305,11 +233,10 @@ def speculative_generate(
     max_new_tokens: int,
     capture_layer_ids: LayerIds,
     eos_token_ids: Iterable[int] = (),
-    counters: AcceptanceCounters | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
-) -> tuple[list[int], FinishReason, AcceptanceCounters]:
+) -> tuple[list[int], FinishReason, SpecCounters]:
     """Greedy chain speculative decoding of one prompt ([1, L] token ids); returns the output token ids
-    (EOS included when hit), the finish reason and the counters of this prompt (also added to `counters`).
+    (EOS included when hit), the finish reason and the counters of this prompt.
 
     Notation: position q of the sequence holds token t_q; the target's hidden state at q (aux layers
     fused by fc) predicts t_{q+1}. The drafter at position q sees (target hidden at q, token t_{q+1}) and
@@ -324,7 +251,7 @@ def speculative_generate(
     stop_ids = frozenset(int(t) for t in eos_token_ids)
     device = prompt_ids.device
     drafter_dtype = drafter.fc.weight.dtype
-    local = AcceptanceCounters(num_spec_tokens=k)
+    counters = SpecCounters.empty(k)
     target_config: Any = getattr(target, "config", None)
     cache = DynamicCache(config=target_config)
 
@@ -383,7 +310,7 @@ def speculative_generate(
         num_accepted = int(agree.cumprod(dim=0).sum())
         bonus = target_choice[:, num_accepted : num_accepted + 1]  # the target's own next token
         # Counted before the stop checks truncate the step, as vLLM's scheduler does.
-        local.observe(k, num_accepted)
+        counters = counters.observe(k, num_accepted)
         if on_step is not None:
             on_step(StepRecord(verified_len, draft_ids[0].tolist(), target_choice[0].tolist(), num_accepted))
 
@@ -402,9 +329,7 @@ def speculative_generate(
         pending_start = verified_len
         next_token = bonus
 
-    if counters is not None:
-        counters.merge(local)
-    return output, finished, local
+    return output, finished, counters
 
 
 def _target_forward(
@@ -495,7 +420,7 @@ def simulate_acceptance(
     drafter.to(run_device).eval()
     stop_ids = stop_token_ids(target, tokenizer)
 
-    counters = AcceptanceCounters(num_spec_tokens=k)
+    counters = SpecCounters.empty(k)
     results: list[PromptResult] = []
     elapsed = 0.0
     for prompt in prompts:
@@ -509,8 +434,8 @@ def simulate_acceptance(
             max_new_tokens=max_new_tokens,
             capture_layer_ids=capture_ids,
             eos_token_ids=stop_ids,
-            counters=counters,
         )
+        counters += local
         elapsed += time.perf_counter() - started
         results.append(
             PromptResult(
@@ -519,8 +444,8 @@ def simulate_acceptance(
                 output_token_ids=output,
                 text=tokenizer.decode(output, skip_special_tokens=True),
                 finish_reason=finish_reason,
-                num_drafts=local.num_drafts,
-                num_accepted_tokens=local.num_accepted_tokens,
+                num_drafts=int(local.num_drafts),
+                num_accepted_tokens=int(local.num_accepted_tokens),
             )
         )
     trained = drafter.config.aux_layer_ids.to("layer_input")
@@ -538,48 +463,6 @@ def simulate_acceptance(
 
 # ---------------------------------------------------------------------------------------------------------
 # Teacher-forced estimate (no generation)
-
-
-@dataclass
-class TeacherForcedEstimate:
-    """Expected acceptance of k-token chains started at every eligible position of stored samples."""
-
-    k: int
-    num_positions: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.accepted_per_pos:
-            self.accepted_per_pos = [0] * self.k
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return sum(self.accepted_per_pos)
-
-    @property
-    def acceptance_rate(self) -> float:
-        total = self.k * self.num_positions
-        return self.num_accepted_tokens / total if total else float("nan")
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_positions if self.num_positions else float("nan")
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        if not self.num_positions:
-            return [float("nan")] * self.k
-        return [count / self.num_positions for count in self.accepted_per_pos]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "k": self.k,
-            "num_positions": self.num_positions,
-            "accepted_per_pos": list(self.accepted_per_pos),
-            "acceptance_rate": _json_float(self.acceptance_rate),
-            "mean_acceptance_length": _json_float(self.mean_acceptance_length),
-            "per_position_acceptance": [_json_float(rate) for rate in self.per_position_acceptance],
-        }
 
 
 def _first_pass_visibility(num_rows: int, device: torch.device) -> Tensor:
@@ -602,9 +485,10 @@ def teacher_forced_acceptance(
     k: int = 3,
     *,
     max_samples: int | None = None,
-) -> TeacherForcedEstimate:
+) -> SpecCounters:
     """Estimate acceptance from stored hidden states (shard samples: `input_ids`, `loss_mask`,
-    `aux_hidden`, `last_hidden`), without running the target.
+    `aux_hidden`, `last_hidden`), without running the target. Counted as if every eligible start
+    position were one verified draft (num_drafts = eligible start positions).
 
     For every start position p whose next k tokens are assistant tokens, the drafter proposes a chain
     exactly as the engine would after verifying t_0..t_p with t_{p+1} as the bonus token: step 0 from
@@ -618,7 +502,7 @@ def teacher_forced_acceptance(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    estimate = TeacherForcedEstimate(k=k)
+    estimate = SpecCounters.empty(k)
     weight = drafter.fc.weight
     device, dtype = weight.device, weight.dtype
     for index, sample in enumerate(samples):
@@ -660,7 +544,11 @@ def teacher_forced_acceptance(
             continue
         agree = torch.stack([drafts[i - 1][starts] == target_choice[starts + i] for i in range(1, k + 1)])
         accepted_prefix = agree.to(torch.int64).cumprod(dim=0)[:, eligible]  # [k, eligible starts]
-        estimate.num_positions += int(eligible.sum())
-        for i in range(k):
-            estimate.accepted_per_pos[i] += int(accepted_prefix[i].sum())
+        num_starts = int(eligible.sum())
+        estimate += SpecCounters(
+            num_drafts=float(num_starts),
+            num_draft_tokens=float(k * num_starts),
+            num_accepted_tokens=float(accepted_prefix.sum()),
+            accepted_per_position=tuple(float(count) for count in accepted_prefix.sum(dim=1).tolist()),
+        )
     return estimate

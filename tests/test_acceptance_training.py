@@ -67,7 +67,7 @@ def test_training_raises_acceptance_on_held_out_prompts(
     estimate_before = teacher_forced_acceptance(pair.untrained, held_out, head, k=3)
     print(
         f"{recipe}: teacher-forced mean acceptance length {estimate_before.mean_acceptance_length:.3f} "
-        f"untrained -> {estimate.mean_acceptance_length:.3f} trained ({estimate.num_positions} positions)"
+        f"untrained -> {estimate.mean_acceptance_length:.3f} trained ({estimate.num_drafts:.0f} positions)"
     )
     assert estimate_before.mean_acceptance_length < 1.3
     assert estimate.mean_acceptance_length >= 2.0

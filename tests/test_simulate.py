@@ -22,9 +22,9 @@ from fixtures_kernels import (
 )
 
 from draftloop.kernels.capture import capture_aux_hidden_states
+from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.simulate import (
-    AcceptanceCounters,
     LayerIdMismatchError,
     StepRecord,
     encode_prompt,
@@ -62,8 +62,8 @@ def test_output_equals_plain_greedy(
     # vLLM's counter identities: every draft has k tokens; one round yields accepted + 1 tokens, and
     # the first token comes from the prefill.
     assert report.num_draft_tokens == k * report.num_drafts
-    assert sum(report.accepted_per_pos) == report.num_accepted_tokens
-    assert report.accepted_per_pos == sorted(report.accepted_per_pos, reverse=True)
+    assert sum(report.accepted_per_position) == report.num_accepted_tokens
+    assert report.accepted_per_position == sorted(report.accepted_per_position, reverse=True)
     produced = sum(len(r.output_token_ids) for r in report.results)
     assert report.num_drafts + report.num_accepted_tokens >= produced - len(PROMPTS)
     if drafter_kind == "untrained":
@@ -161,17 +161,19 @@ def test_stops_at_eos_like_generate(zoo_target_dir: Callable[[str], Path]) -> No
 
 
 def test_counters_match_vllm_formulas() -> None:
-    counters = AcceptanceCounters(num_spec_tokens=3)
+    counters = SpecCounters.empty(3)
+    assert counters.acceptance_rate is None and counters.per_position_acceptance == []
     for accepted in (0, 3, 1, 2):
-        counters.observe(3, accepted)
-    assert (counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens) == (4, 12, 6)
-    assert counters.accepted_per_pos == [3, 2, 1]
+        counters = counters.observe(3, accepted)
+    assert counters == SpecCounters(4, 12, 6, (3, 2, 1))
     assert counters.acceptance_rate == 6 / 12
     assert counters.mean_acceptance_length == 1 + 6 / 4
     assert counters.per_position_acceptance == [3 / 4, 2 / 4, 1 / 4]
     with pytest.raises(ValueError):
         counters.observe(3, 4)
-    assert json.loads(json.dumps(counters.to_json()))["accepted_per_pos"] == [3, 2, 1]
+    assert json.loads(json.dumps(counters.to_json()))["accepted_per_position"] == [3, 2, 1]
+    # Cumulative readings difference back to what happened in between, of any per-position width.
+    assert (counters + SpecCounters(1, 3, 1, (1.0,))) - counters == SpecCounters(1, 3, 1, (1, 0, 0))
 
 
 def test_teacher_forced_estimate_on_rigged_pairs(zoo_target_dir: Callable[[str], Path]) -> None:
@@ -195,7 +197,7 @@ def test_teacher_forced_estimate_on_rigged_pairs(zoo_target_dir: Callable[[str],
     head = target.get_output_embeddings().weight
     agree = teacher_forced_acceptance(make_constant_drafter(target, agree=True), samples, head, k=3)
     # Starts whose next 3 tokens are all answer tokens: answer positions len(ids)-1 .. end-3, 10 each.
-    assert agree.num_positions == 3 * 10
+    assert agree.num_drafts == 3 * 10
     assert agree.acceptance_rate == 1.0 and agree.mean_acceptance_length == 4.0
     never = teacher_forced_acceptance(make_constant_drafter(target, agree=False), samples, head, k=3)
     assert never.acceptance_rate == 0.0 and never.mean_acceptance_length == 1.0

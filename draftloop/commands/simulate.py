@@ -81,6 +81,10 @@ def _load_target(path: Path) -> tuple[Any, Any]:
     return model.eval(), tokenizer  # simulate_acceptance moves it to --device
 
 
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def _print_report(report: Any) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -95,9 +99,9 @@ def _print_report(report: Any) -> None:
         ("drafts", str(report.num_drafts)),
         ("draft tokens", str(report.num_draft_tokens)),
         ("accepted tokens", str(report.num_accepted_tokens)),
-        ("acceptance rate", f"{report.acceptance_rate:.3f}"),
-        ("mean acceptance length", f"{report.mean_acceptance_length:.3f}"),
-        ("tokens/s", f"{report.tokens_per_second:.1f}"),
+        ("acceptance rate", _figure(report.acceptance_rate, ".3f")),
+        ("mean acceptance length", _figure(report.mean_acceptance_length, ".3f")),
+        ("tokens/s", _figure(report.tokens_per_second, ".1f")),
         ("captured layer ids (layer_input)", str(report.capture_layer_ids)),
         ("drafter's layer ids (layer_input)", str(report.drafter_layer_ids)),
     ]
@@ -107,10 +111,9 @@ def _print_report(report: Any) -> None:
     positions.add_column("position", justify="right")
     positions.add_column("accepted", justify="right")
     positions.add_column("rate", justify="right")
-    for index, (count, rate) in enumerate(
-        zip(report.accepted_per_pos, report.per_position_acceptance, strict=True)
-    ):
-        positions.add_row(str(index), str(count), f"{rate:.3f}")
+    rates = report.per_position_acceptance or [None] * report.k  # no rates before any draft
+    for index, (count, rate) in enumerate(zip(report.accepted_per_position, rates, strict=True)):
+        positions.add_row(str(index), str(count), _figure(rate, ".3f"))
     console = Console()
     if report.layer_ids_forced:
         console.print(
