@@ -11,7 +11,7 @@ import json
 import os
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
@@ -37,7 +37,7 @@ class TrainAndEvalParams(BaseModel):
     drafter_init: str | None = Field(
         default=None, description="training.drafter_init: drafter folder to fine-tune"
     )
-    engine_kind: Literal["vllm", "sglang"] | None = Field(default=None, description="engine.kind")
+    engine_kind: str | None = Field(default=None, description="engine.kind (a registered engine)")
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, le=16, description="engine.num_speculative_tokens"
     )

@@ -23,11 +23,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from draftloop.kernels.layer_ids import CONVENTION_ALIASES, LayerIds, normalize_convention
+from draftloop.infra.engines.base import EngineConfigError, convention_for, engine_class
+from draftloop.kernels.layer_ids import LayerIds
 
-KNOWN_ENGINES = ("vllm", "sglang")
-# Each engine reads aux layer ids from a drafter config in its own convention; kept here only to say
-# so in error messages (the conversion itself lives in kernels/layer_ids.py).
 EAGLE3_NUM_AUX_LAYERS = 3
 
 
@@ -68,6 +66,7 @@ class SynthesisConfig(_Section):
 
 class ExtractionConfig(_Section):
     aux_layer_ids: list[int] | None = None  # null = the default for the target's depth
+    # layer_input | layer_output, or an engine's name for the convention that engine reads.
     layer_id_convention: str = "layer_input"
     samples_per_shard: int = Field(default=64, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -77,12 +76,7 @@ class ExtractionConfig(_Section):
     @field_validator("layer_id_convention")
     @classmethod
     def _known_convention(cls, value: str) -> str:
-        try:
-            return normalize_convention(value)
-        except ValueError:
-            raise ValueError(
-                f"unknown layer-id convention {value!r}; expected one of {sorted(CONVENTION_ALIASES)}"
-            ) from None
+        return convention_for(value)
 
 
 class TrainingConfig(_Section):
@@ -119,9 +113,10 @@ class EngineConfig(_Section):
     @field_validator("kind")
     @classmethod
     def _known_engine(cls, value: str) -> str:
-        if value not in KNOWN_ENGINES:
-            raise ValueError(f"unknown engine {value!r}; known engines: {', '.join(KNOWN_ENGINES)}")
-        return value
+        try:
+            return engine_class(value).kind
+        except EngineConfigError as error:
+            raise ValueError(error.reason) from None
 
 
 class GateConfig(_Section):
@@ -286,7 +281,7 @@ class ExperimentConfig(_Section):
         raise ConfigError("target.path", reason + " (set target.create to a zoo recipe to build it)")
 
     def _check_aux_layer_ids(self, depth: int) -> None:
-        convention = normalize_convention(self.extraction.layer_id_convention)
+        convention = convention_for(self.extraction.layer_id_convention)
         ids = self.extraction.aux_layer_ids
         field = "extraction.aux_layer_ids"
         if ids is None:

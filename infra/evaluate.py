@@ -32,56 +32,13 @@ from typing import Any, Protocol
 
 import httpx
 
-from draftloop.infra.engines.base import (
-    Engine,
-    EngineConfigError,
-    SpecCounters,
-    is_mla_config,
-    read_json,
-    stored_layer_ids,
-)
+from draftloop.infra.engines.base import Engine, EngineConfigError, read_json, stored_layer_ids
+from draftloop.infra.engines.pairing import check_drafter_pairing
+from draftloop.kernels.counters import SpecCounters
 
 VERDICT_OK = "ok"
 VERDICT_WEAK = "weak_drafter"
 VERDICT_FAULT = "integration_fault"
-
-
-class DrafterPairingError(EngineConfigError):
-    """The drafter cannot run with this target in the engine (refused before any server starts)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Pre-flight
-
-
-def check_drafter_pairing(target_dir: Path, drafter_dir: Path) -> None:
-    """Refuse a standard-attention drafter on an MLA target (and an MLA drafter on a non-MLA one).
-
-    The engine keeps the drafter's KV cache in the same block layout as the target's: an MLA target's
-    latent KV cache and a Llama-style drafter's per-head cache share no block size, and vLLM dies at
-    start-up with `No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`.
-    """
-    target = read_json(Path(target_dir) / "config.json")
-    drafter = read_json(Path(drafter_dir) / "config.json")
-    target_mla = is_mla_config(target)
-    drafter_mla = is_mla_config(drafter) or any(
-        "deepseek" in str(a).lower() for a in drafter.get("architectures") or []
-    )
-    if target_mla and not drafter_mla:
-        raise DrafterPairingError(
-            f"{Path(drafter_dir) / 'config.json'}",
-            f"a standard-attention EAGLE-3 drafter ({drafter.get('architectures')}) cannot serve the MLA "
-            f"target {target.get('architectures')}: the engine's MLA KV cache and the drafter's share no "
-            "block size (vLLM: 'No common block size ... CPU_MLA ... CPU_ATTN'). Train an MLA drafter "
-            "(architectures Eagle3DeepseekV2ForCausalLM; drafter attention 'mla', which "
-            "DrafterConfig.for_target picks for MLA targets).",
-        )
-    if drafter_mla and not target_mla:
-        raise DrafterPairingError(
-            f"{Path(drafter_dir) / 'config.json'}",
-            f"an MLA drafter cannot serve the standard-attention target {target.get('architectures')}: "
-            "train a Llama-style drafter (attention 'llama').",
-        )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""A stand-in engine server for fast lifecycle and evaluation tests (no vLLM).
+"""The server of tests/fake_engine.py: a stand-in engine for fast lifecycle and evaluation tests.
 
-Speaks the parts of the OpenAI/vLLM HTTP surface draftloop uses: /health, /v1/models, /metrics (vLLM's
-spec-decode counter names), /v1/chat/completions and streaming /v1/completions. Its greedy "model" is
+Speaks the parts of the OpenAI HTTP surface draftloop uses: /health, /v1/models, /metrics (its own
+`fake_spec_*` counters), /v1/chat/completions and streaming /v1/completions. Its greedy "model" is
 deterministic in the prompt, so two fake servers agree (lossless) unless --perturb is given.
 
 Modes: ok | fatal (logs a fatal line, then hangs) | exit (dies during start-up) | slow (never ready).
@@ -60,23 +60,16 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
                 self._json(200, {"data": [{"id": args.served_model_name}]})
             elif self.path == "/metrics":
                 with LOCK:
-                    lines = [
-                        "# HELP vllm:num_requests_running x",
-                        'vllm:num_requests_running{engine="0"} 0.0',
-                    ]
+                    lines = ["# HELP fake_requests_running x", "fake_requests_running 0.0"]
                     if args.speculative:
-                        prefix = "vllm:spec_decode_num_"
-                        label = '{engine="0",model_name="t"}'
                         lines += [
-                            f"# TYPE {prefix}drafts_total counter",
-                            f"{prefix}drafts_total{label} {COUNTERS['drafts']}",
-                            f"{prefix}draft_tokens_total{label} {COUNTERS['draft_tokens']}",
-                            f"{prefix}accepted_tokens_total{label} {COUNTERS['accepted']}",
-                            f"{prefix}accepted_tokens_created{label} 1.7e9",
+                            "# TYPE fake_spec_drafts counter",
+                            f"fake_spec_drafts {COUNTERS['drafts']}",
+                            f"fake_spec_draft_tokens {COUNTERS['draft_tokens']}",
+                            f"fake_spec_accepted_tokens {COUNTERS['accepted']}",
                         ]
                         for i, value in enumerate(COUNTERS["per_pos"]):
-                            pos_label = f'{{engine="0",position="{i}"}}'
-                            lines.append(f"{prefix}accepted_tokens_per_pos_total{pos_label} {value}")
+                            lines.append(f'fake_spec_accepted_per_position{{position="{i}"}} {value}')
                 body = ("\n".join(lines) + "\n").encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain")
@@ -129,13 +122,7 @@ def main() -> None:
     print("INFO: fake engine starting", flush=True)
     time.sleep(args.startup_delay)
     if args.mode == "fatal":
-        print("Traceback (most recent call last):", flush=True)
-        print('  File "x.py", line 1, in <module>', flush=True)
-        print(
-            "(EngineCore pid=1) ERROR 11-29 09:00:00 [core.py:1] ValueError: No common block size for 16 "
-            "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
-            flush=True,
-        )
+        print("fake engine refuses the drafter (--mode fatal)", flush=True)
         time.sleep(600)
         return
     if args.mode == "exit":

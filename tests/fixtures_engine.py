@@ -1,5 +1,5 @@
-"""Fixtures for the engine tests: a fake engine for fast lifecycle tests, recorded engine outputs, the
-real vLLM (CPU) settings, exported drafters, and a tiny target whose vLLM class lacks EAGLE-3 support.
+"""Fixtures for the engine tests: recorded engine outputs, the real vLLM (CPU) settings, exported
+drafters, and a tiny target whose vLLM class lacks EAGLE-3 support (the fake engine is tests/fake_engine.py).
 
 Imported by tests/conftest.py. Real servers are expensive (about a minute each here): tests share them
 through module-scoped fixtures and every server is stopped by PID on teardown.
@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from draftloop.infra.engines.base import EngineSettings
-from draftloop.infra.engines.vllm import VllmEngine
+from draftloop.infra.engines.base import EngineSettings, get_engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAKE_SERVER = Path(__file__).resolve().parent / "fake_engine_server.py"
 VLLM_PYTHON = REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
 
 # ------------------------------------------------------------------------------------------------
@@ -115,48 +112,6 @@ ValueError: a line that looks like an exception but follows no traceback
 """
 
 
-# ------------------------------------------------------------------------------------------------
-# Fake engine
-
-
-class FakeEngine(VllmEngine):
-    """vLLM's metrics and patterns, but the server is tests/fake_engine_server.py (starts in ~1 s)."""
-
-    kind = "fake"
-
-    def server_env(self, run_dir: Path) -> dict[str, str]:
-        return {"PYTHONUNBUFFERED": "1"}
-
-    def server_command(
-        self,
-        target_dir: Path,
-        port: int,
-        *,
-        served_model_name: str,
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> list[str]:
-        argv = [
-            str(self.python),
-            str(FAKE_SERVER),
-            "--port",
-            str(port),
-            "--served-model-name",
-            served_model_name,
-        ]
-        if drafter_dir is not None:
-            argv.append("--speculative")
-        return argv + list(self.settings.extra_args)
-
-
-def fake_engine(*extra_args: str, timeout_s: float = 60.0) -> FakeEngine:
-    return FakeEngine(
-        EngineSettings(
-            kind="fake", python=sys.executable, extra_args=tuple(extra_args), startup_timeout_s=timeout_s
-        )
-    )
-
-
 def write_config(folder: Path, config: dict[str, Any]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
@@ -186,12 +141,9 @@ def require_vllm_env() -> None:
 
 
 def export_for_vllm(drafter: Any, out_dir: Path) -> Path:
-    from draftloop.kernels.drafter import save_drafter
-
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    save_drafter(drafter, out_dir, engine="vllm")
-    return out_dir
+    return get_engine("vllm").export_drafter(drafter, out_dir)
 
 
 def shift_exported_layer_ids(drafter_dir: Path, out_dir: Path, shift: int) -> Path:

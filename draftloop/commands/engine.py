@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -15,7 +16,7 @@ def doctor(
     config: Path | None = typer.Option(None, "--config", help="Experiment config (YAML): engine and target."),
     target: Path | None = typer.Option(None, "--target", help="Target model folder (overrides the config)."),
     drafter: Path | None = typer.Option(None, "--drafter", help="Drafter folder (engine-native export)."),
-    kind: str | None = typer.Option(None, "--engine", help="Engine kind when no config is given (vllm)."),
+    kind: str | None = typer.Option(None, "--engine", help="Engine kind (default vllm)."),
     python: str | None = typer.Option(None, "--python", help="The engine's Python (overrides the config)."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON report."),
 ) -> None:
@@ -33,9 +34,9 @@ def doctor(
         if target_dir is None:
             target_dir = Path(loaded.target.path)
     if kind is not None:
-        settings = EngineSettings.from_config({**settings.__dict__, "kind": kind})
+        settings = replace(settings, kind=kind)
     if python is not None:
-        settings = EngineSettings.from_config({**settings.__dict__, "python": python})
+        settings = replace(settings, python=python)
     if target_dir is None:
         typer.echo("error: --target: give a target folder or --config", err=True)
         raise typer.Exit(code=2)

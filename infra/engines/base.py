@@ -1,12 +1,14 @@
-"""One interface for every serving engine draftloop deploys a drafter into.
+"""One interface for every serving engine draftloop deploys a drafter into, and their registry.
 
-An `Engine` knows everything engine-specific: its Python environment, how to build the server's command
-line (baseline and speculative), its environment variables, the layer-id convention it reads from a
-drafter's config, which log lines mean it will never come up, and how to read its speculative-decoding
-counters. Nothing outside `infra/engines/` names a vLLM or SGLang flag or metric.
+An `Engine` knows everything engine-specific: its Python environment, the server's command line
+(baseline and speculative) and environment, the layer-id convention it reads from a drafter's config,
+the drafter folder it loads (`export_drafter`), which log lines mean it will never come up, and how to
+read its speculative-decoding counters. Nothing outside `infra/engines/` names an engine's flag, metric
+or convention.
 
-Adding an engine = adding one module `infra/engines/<kind>.py` whose `Engine` subclass is decorated with
-`@register_engine`; `get_engine(kind)` imports it on first use.
+Adding an engine = one module `infra/engines/<kind>.py` whose `Engine` subclass is decorated with
+`@register_engine`. The registry finds it by importing the package's modules; registering a kind twice
+is an error.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pkgutil
 import re
 import subprocess
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from draftloop.kernels.layer_ids import Convention, LayerIds
+from draftloop.kernels.counters import SpecCounters
+from draftloop.kernels.drafter import Eagle3Drafter
+from draftloop.kernels.layer_ids import Convention, LayerIds, normalize_convention
 
 
 class EngineError(RuntimeError):
@@ -75,71 +80,6 @@ COMMON_FATAL_PATTERNS: tuple[FatalPattern, ...] = (
         after_traceback=True,
     ),
 )
-
-
-@dataclass(frozen=True)
-class SpecCounters:
-    """Cumulative speculative-decoding counters (definitions in eagle3.md, "Measuring acceptance").
-
-    num_drafts: verification steps that carried draft tokens; num_draft_tokens: tokens proposed;
-    num_accepted_tokens: proposed tokens the target accepted; accepted_per_position[i]: drafts whose
-    i-th proposed token was accepted (empty when the engine does not report it).
-    """
-
-    num_drafts: float = 0.0
-    num_draft_tokens: float = 0.0
-    num_accepted_tokens: float = 0.0
-    accepted_per_position: tuple[float, ...] = ()
-
-    def __sub__(self, before: SpecCounters) -> SpecCounters:
-        width = max(len(self.accepted_per_position), len(before.accepted_per_position))
-        after_pos = list(self.accepted_per_position) + [0.0] * (width - len(self.accepted_per_position))
-        before_pos = list(before.accepted_per_position) + [0.0] * (width - len(before.accepted_per_position))
-        return SpecCounters(
-            num_drafts=self.num_drafts - before.num_drafts,
-            num_draft_tokens=self.num_draft_tokens - before.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens - before.num_accepted_tokens,
-            accepted_per_position=tuple(a - b for a, b in zip(after_pos, before_pos, strict=True)),
-        )
-
-    def __add__(self, other: SpecCounters) -> SpecCounters:
-        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        mine = list(self.accepted_per_position) + [0.0] * (width - len(self.accepted_per_position))
-        theirs = list(other.accepted_per_position) + [0.0] * (width - len(other.accepted_per_position))
-        return SpecCounters(
-            num_drafts=self.num_drafts + other.num_drafts,
-            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
-            accepted_per_position=tuple(a + b for a, b in zip(mine, theirs, strict=True)),
-        )
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """accepted / proposed draft tokens."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens > 0 else None
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        """1 + accepted / drafts: tokens produced per target forward, the bonus token included."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts > 0 else None
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """Fraction of drafts whose i-th token was accepted."""
-        if self.num_drafts <= 0:
-            return []
-        return [count / self.num_drafts for count in self.accepted_per_position]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "per_position_acceptance": self.per_position_acceptance,
-        }
 
 
 @dataclass(frozen=True)
@@ -205,10 +145,9 @@ class Engine(ABC):
     """One serving engine. Subclasses set the class attributes and implement the abstract methods."""
 
     kind: ClassVar[str]
-    # Layer-id convention the engine reads from a drafter's config (DESIGN.md, "Layer ids").
-    drafter_convention: ClassVar[Convention]
-    # Name `kernels.drafter.save_drafter(..., engine=...)` knows this engine's format by.
-    export_format: ClassVar[str]
+    # How this engine reads `eagle_aux_hidden_state_layer_ids` from a drafter's config (DESIGN.md,
+    # "Layer ids"): layer_input = the residual stream entering layer k, layer_output = leaving it.
+    layer_id_convention: ClassVar[Convention]
     health_path: ClassVar[str] = "/health"
     models_path: ClassVar[str] = "/v1/models"
     metrics_path: ClassVar[str] = "/metrics"
@@ -276,22 +215,48 @@ class Engine(ABC):
         )
         return ServerLaunch(argv=argv, env=env, port=port, served_model_name=served_model_name)
 
+    def doctor_command(self, target_dir: Path, drafter_dir: Path | None) -> list[str] | None:
+        """argv of a probe, run in the engine's environment, that prints one `DRAFTLOOP_DOCTOR {json}`
+        line saying what the engine will do with the pair (None: the engine has no such probe)."""
+        return None
+
     # ---- drafter export ----------------------------------------------------------------------
 
-    def engine_layer_ids(self, ids: LayerIds) -> LayerIds:
-        """`ids` in the convention this engine reads from a drafter's config."""
-        return ids.to(self.drafter_convention)
+    def export_drafter(
+        self,
+        drafter: Eagle3Drafter,
+        out_dir: Path,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        layer_ids: LayerIds | None = None,
+        allow_layer_mismatch: bool = False,
+    ) -> Path:
+        """Write `drafter` as the folder this engine loads: its aux layer ids in `layer_id_convention`
+        plus `export_config` keys. `layer_ids` restates the capture ids (refused when they differ from
+        the trained ones unless `allow_layer_mismatch`)."""
+        from draftloop.kernels.checkpoint import save_drafter  # TODO(B): top-level once A's split lands
 
-    def export_drafter(self, drafter: Any, out_dir: Path) -> Path:
-        """Write `drafter` (a kernels Eagle3Drafter) in this engine's native folder format."""
-        from draftloop.kernels.drafter import save_drafter
+        capture_ids = layer_ids if layer_ids is not None else drafter.config.aux_layer_ids
+        return save_drafter(
+            drafter,
+            out_dir,
+            convention=self.layer_id_convention,
+            engine=self.kind,
+            extra_config=self.export_config(capture_ids.to(self.layer_id_convention)),
+            metadata=metadata,
+            layer_ids=layer_ids,
+            allow_layer_mismatch=allow_layer_mismatch,
+        )
 
-        save_drafter(drafter, Path(out_dir), engine=self.export_format)
-        return Path(out_dir)
+    def export_config(self, exported_ids: LayerIds) -> dict[str, Any]:
+        """Keys this engine needs in a drafter's config.json beyond the common EAGLE-3 fields."""
+        return {}
 
-    @abstractmethod
     def drafter_layer_ids(self, drafter_dir: Path) -> LayerIds | None:
-        """The aux layer ids this engine will capture for the drafter folder, in its own convention."""
+        """The aux layer ids this engine will capture for the drafter folder, in its own convention
+        (None when the config names none and the engine falls back to its defaults)."""
+        ids = drafter_config_layer_ids(read_json(Path(drafter_dir) / "config.json"))
+        return LayerIds.parse(ids, self.layer_id_convention) if ids else None
 
     # ---- failure detection -------------------------------------------------------------------
 
@@ -346,47 +311,64 @@ class Engine(ABC):
 # Registry
 
 _ENGINES: dict[str, type[Engine]] = {}
+_PACKAGE = __name__.rsplit(".", 1)[0]  # draftloop.infra.engines
 
 
 def register_engine(cls: type[Engine]) -> type[Engine]:
-    """Class decorator: make `cls` available as `get_engine(cls.kind)`."""
-    _ENGINES[cls.kind] = cls
+    """Class decorator: make `cls` available as `get_engine(cls.kind)`; a kind taken already is refused."""
+    kind = cls.kind
+    if kind != kind.strip().lower() or not kind:
+        raise EngineError(f"engine kind {kind!r} of {cls.__qualname__} must be a non-empty lower-case name")
+    existing = _ENGINES.get(kind)
+    if existing is not None:
+        raise EngineError(
+            f"engine {kind!r} is registered twice: {existing.__module__}.{existing.__qualname__} "
+            f"and {cls.__module__}.{cls.__qualname__}"
+        )
+    _ENGINES[kind] = cls
     return cls
 
 
 def engine_class(kind: str) -> type[Engine]:
+    """The class registered as `kind`, importing `infra/engines/<kind>.py` on first use."""
     key = str(kind).strip().lower()
-    if key not in _ENGINES:
+    if key not in _ENGINES and key.isidentifier():
         try:
-            importlib.import_module(f"draftloop.infra.engines.{key}")
+            importlib.import_module(f"{_PACKAGE}.{key}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"draftloop.infra.engines.{key}":
+            if exc.name != f"{_PACKAGE}.{key}":
                 raise
     if key not in _ENGINES:
-        known = ", ".join(known_engines())
-        raise EngineConfigError("engine.kind", f"unknown engine {kind!r}; known: {known}")
+        raise EngineConfigError(
+            "engine.kind", f"unknown engine {kind!r}; known engines: {', '.join(known_engines())}"
+        )
     return _ENGINES[key]
 
 
 def get_engine(kind: str, settings: EngineSettings | None = None) -> Engine:
-    """The engine `kind` ("vllm" | "sglang" | any module added under infra/engines/)."""
+    """An instance of the engine `kind` (any module registered under infra/engines/, or elsewhere)."""
     cls = engine_class(kind)
-    if settings is None:
-        settings = EngineSettings(kind=cls.kind)
-    return cls(settings)
+    return cls(settings if settings is not None else EngineSettings(kind=cls.kind))
 
 
 def known_engines() -> list[str]:
-    """Engines with a module under infra/engines/ (registered or not yet imported)."""
-    here = Path(__file__).resolve().parent
-    names = set(_ENGINES)
-    for path in here.glob("*.py"):
-        if path.stem in {"__init__", "base", "server", "doctor"} or path.stem.startswith("_"):
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if "@register_engine" in text:
-            names.add(path.stem)
-    return sorted(names)
+    """Every registered engine, after importing the modules of infra/engines/ (which register theirs)."""
+    package = importlib.import_module(_PACKAGE)
+    for module in pkgutil.iter_modules(package.__path__):
+        if not module.ispkg:
+            importlib.import_module(f"{_PACKAGE}.{module.name}")
+    return sorted(_ENGINES)
+
+
+def convention_for(name: str) -> Convention:
+    """A layer-id convention named directly (layer_input, layer_output) or by the engine that reads it."""
+    try:
+        return normalize_convention(name)
+    except ValueError as error:
+        try:
+            return engine_class(name).layer_id_convention
+        except EngineConfigError:
+            raise ValueError(f"{error}, or an engine name ({', '.join(known_engines())})") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,24 +432,3 @@ def stored_layer_ids(config: Mapping[str, Any]) -> LayerIds | None:
     if isinstance(raw, Mapping):
         return LayerIds.from_json(dict(raw))
     return LayerIds.parse([int(i) for i in raw], "layer_input")
-
-
-def is_mla_config(config: Mapping[str, Any]) -> bool:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): a kv_lora_rank in the (text) config."""
-    text_config = config.get("text_config")
-    if isinstance(text_config, Mapping) and is_mla_config(text_config):
-        return True
-    return bool(config.get("kv_lora_rank"))
-
-
-def model_depth(config: Mapping[str, Any]) -> int:
-    text_config = config.get("text_config")
-    if isinstance(text_config, Mapping) and "num_hidden_layers" in text_config:
-        return int(text_config["num_hidden_layers"])
-    return int(config["num_hidden_layers"])
-
-
-def join_args(argv: Sequence[str]) -> str:
-    import shlex
-
-    return " ".join(shlex.quote(a) for a in argv)

@@ -1,61 +1,40 @@
 """`draftloop engine doctor`: what the engine will do with a target and a drafter, asked of the engine.
 
-The probe runs in the engine's own Python (the orchestrator never imports vLLM): for vLLM it is
-`python -m draftloop_vllm_plugin.doctor`, shipped with draftloop's plugin in the engine environment.
+The probe runs in the engine's own Python (the orchestrator never imports the engine): each engine names
+its probe in `Engine.doctor_command` (vLLM's ships with draftloop's plugin in the engine environment).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from draftloop.infra.engines.base import Engine, EngineError, read_json, stored_layer_ids
+from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing
 
 _MARKER = "DRAFTLOOP_DOCTOR "
-
-
-def probe_command(engine: Engine, target_dir: Path, drafter_dir: Path | None) -> list[str] | None:
-    if engine.kind != "vllm":
-        return None
-    argv = [str(engine.python), "-m", "draftloop_vllm_plugin.doctor", "--target", str(target_dir)]
-    if drafter_dir is not None:
-        argv += ["--drafter", str(drafter_dir)]
-    return argv
 
 
 def run_doctor(
     engine: Engine, target_dir: Path, drafter_dir: Path | None = None, timeout_s: float = 300.0
 ) -> dict[str, Any]:
     """The engine's answers (version, patches, EAGLE-3 support, captured layer ids) plus draftloop's
-    reading of the drafter's ids in both conventions."""
+    reading of the drafter's ids in both conventions and whether the pair can be served at all."""
     target_dir = Path(target_dir).resolve()
     drafter_dir = Path(drafter_dir).resolve() if drafter_dir is not None else None
     result: dict[str, Any] = {"engine": engine.kind, "python": str(engine.python)}
-    argv = probe_command(engine, target_dir, drafter_dir)
+    argv = engine.doctor_command(target_dir, drafter_dir)
     if argv is None:
         result["probe"] = f"no in-environment probe for {engine.kind}"
-        result["engine_version"] = _safe_version(engine)
+        result["engine_version"] = _version_or_none(engine)
     else:
-        engine.check_python()
-        # The probe imports vLLM only: the orchestrator's environment plus offline hub access will do.
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stderr or proc.stdout).strip()[-3000:]
-            if "No module named draftloop_vllm_plugin" in tail:
-                raise EngineError(
-                    f"draftloop's vLLM plugin is not installed in {engine.python}: run `make engine-env`"
-                )
-            raise EngineError(f"engine doctor probe failed (exit {proc.returncode}):\n{tail}")
-        result.update(json.loads(lines[-1][len(_MARKER) :]))
+        result.update(_run_probe(engine, argv, timeout_s))
     if drafter_dir is not None:
         result["layer_ids"] = describe_layer_ids(engine, drafter_dir)
-        from draftloop.infra.evaluate import DrafterPairingError, check_drafter_pairing
-
         try:
             check_drafter_pairing(target_dir, drafter_dir)
             result["pairing"] = {"ok": True}
@@ -64,21 +43,39 @@ def run_doctor(
     return result
 
 
-def _safe_version(engine: Engine) -> str | None:
+def _run_probe(engine: Engine, argv: list[str], timeout_s: float) -> dict[str, Any]:
+    engine.check_python()
+    # The probe imports the engine only: offline hub access and no telemetry will do.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
+    if proc.returncode == 0 and lines:
+        report: dict[str, Any] = json.loads(lines[-1][len(_MARKER) :])
+        return report
+    tail = (proc.stderr or proc.stdout).strip()[-3000:]
+    missing = re.search(r"No module named '?([\w.]+)", tail)
+    if missing is not None:
+        raise EngineError(
+            f"{missing.group(1)} is not installed in {engine.python}: rebuild the {engine.kind} "
+            "environment (make engine-env)"
+        )
+    raise EngineError(f"engine doctor probe failed (exit {proc.returncode}):\n{tail}")
+
+
+def _version_or_none(engine: Engine) -> str | None:
     try:
         return engine.version()
-    except Exception:
+    except (EngineError, OSError, subprocess.TimeoutExpired):
         return None
 
 
 def describe_layer_ids(engine: Engine, drafter_dir: Path) -> dict[str, Any]:
     """Engine-convention ids from the drafter's config, the same in draftloop's convention, and the
     ids the drafter was trained on (its draftloop block); `consistent` False = an export bug."""
-    config = read_json(Path(drafter_dir) / "config.json")
     engine_ids = engine.drafter_layer_ids(drafter_dir)
-    trained = stored_layer_ids(config)
+    trained = stored_layer_ids(read_json(Path(drafter_dir) / "config.json"))
     info: dict[str, Any] = {
-        "engine_convention": engine.drafter_convention,
+        "engine_convention": engine.layer_id_convention,
         "engine_ids": list(engine_ids.ids) if engine_ids is not None else None,
         "layer_input_ids": list(engine_ids.as_input()) if engine_ids is not None else None,
         "trained_layer_input_ids": list(trained.as_input()) if trained is not None else None,

