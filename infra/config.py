@@ -23,7 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from draftloop.infra.engines.base import EngineConfigError, convention_for, engine_class
+from draftloop.infra.engines.base import EngineConfigError, EngineSettings, convention_for, engine_class
+from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 
 EAGLE3_NUM_AUX_LAYERS = 3
@@ -109,6 +110,21 @@ class EngineConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     num_gpus: float = Field(default=0, ge=0)
+
+    def settings(self) -> EngineSettings:
+        """This section as the engine modules take it."""
+        return EngineSettings(
+            kind=self.kind,
+            python=self.python,
+            num_speculative_tokens=self.num_speculative_tokens,
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            max_model_len=self.max_model_len,
+            startup_timeout_s=self.startup_timeout_s,
+            extra_args=tuple(self.extra_args),
+            env=dict(self.env),
+            num_gpus=self.num_gpus,
+        )
 
     @field_validator("kind")
     @classmethod
@@ -286,7 +302,9 @@ class ExperimentConfig(_Section):
         field = "extraction.aux_layer_ids"
         if ids is None:
             try:
-                default = LayerIds.default_for_depth(depth).to(convention)
+                default = self.target_family().default_aux_layer_ids(depth).to(convention)
+            except UnknownFamilyError as error:
+                raise ConfigError("target.path", str(error)) from None
             except ValueError as error:
                 raise ConfigError(field, f"no default for a {depth}-layer target: {error}") from None
             self.extraction.aux_layer_ids = list(default.ids)
@@ -368,11 +386,20 @@ class ExperimentConfig(_Section):
         """The file the config was loaded from, if any."""
         return self._source
 
+    def target_family(self) -> TargetFamily:
+        """The target's family (kernels/families/), by the model_type of its config.json or zoo recipe."""
+        from draftloop.infra import zoo
+
+        config_file = Path(self.target.path) / "config.json"
+        if config_file.is_file() or self.target.create is None:
+            return family_for_config(json.loads(config_file.read_text()))
+        return family_for_config({"model_type": zoo.RECIPES[self.target.create].model_type})
+
     def aux_layer_ids_internal(self) -> LayerIds:
         """The aux layer ids in the internal layer_input convention (validated against the target)."""
         ids = self.extraction.aux_layer_ids
         if ids is None:
-            return LayerIds.default_for_depth(self.target_depth)
+            return self.target_family().default_aux_layer_ids(self.target_depth)
         return LayerIds.parse(ids, self.extraction.layer_id_convention).to("layer_input")
 
     def section_hash(self, name: str) -> str:

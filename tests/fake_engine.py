@@ -16,6 +16,7 @@ from draftloop.infra.engines.base import (
     Engine,
     EngineSettings,
     FatalPattern,
+    ServerSpec,
     parse_prometheus,
     register_engine,
 )
@@ -39,24 +40,16 @@ class FakeEngine(Engine):
     def server_env(self, run_dir: Path) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}
 
-    def server_command(
-        self,
-        target_dir: Path,
-        port: int,
-        *,
-        served_model_name: str,
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> list[str]:
+    def server_command(self, spec: ServerSpec) -> list[str]:
         argv = [
             str(self.python),
             str(FAKE_SERVER),
             "--port",
-            str(port),
+            str(spec.port),
             "--served-model-name",
-            served_model_name,
+            spec.served_model_name,
         ]
-        if drafter_dir is not None:
+        if spec.drafter_dir is not None:
             argv.append("--speculative")
         return argv + list(self.settings.extra_args)
 

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,24 +26,24 @@ from fixtures_engine import (
     VLLM_METRICS_BEFORE,
     write_config,
 )
+from pydantic import model_validator
+from pydantic.dataclasses import dataclass as pyd_dataclass
+from typer.testing import CliRunner
 
+from draftloop.cli import app
+from draftloop.infra.engines import server as server_module
 from draftloop.infra.engines.base import (
     EngineConfigError,
     EngineSettings,
+    ServerSpec,
     get_engine,
     known_engines,
 )
+from draftloop.infra.engines.doctor import describe_family, format_report
 from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing
 from draftloop.infra.engines.server import EngineServer, EngineStartError, clean_stale_servers
-from draftloop.infra.evaluate import (
-    VERDICT_FAULT,
-    VERDICT_OK,
-    VERDICT_WEAK,
-    SimulatorFigures,
-    decide_verdict,
-    evaluate,
-)
 from draftloop.kernels.counters import SpecCounters
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "infra" / "engines" / "vllm_plugin_pkg"
@@ -73,7 +74,7 @@ def test_registry_knows_both_engines_and_refuses_unknown() -> None:
 
 def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
     engine = get_engine("vllm", EngineSettings(python="/env/bin/python", num_speculative_tokens=4))
-    baseline = engine.server_command(Path("/m"), 8123, served_model_name="target")
+    baseline = engine.server_command(ServerSpec(Path("/m"), 8123))
     assert baseline[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--speculative-config" not in baseline
     for flag, value in (
@@ -84,7 +85,7 @@ def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
     ):
         assert baseline[baseline.index(flag) + 1] == value
     assert "--enforce-eager" in baseline
-    spec = engine.server_command(Path("/m"), 8123, served_model_name="target", drafter_dir=Path("/d"))
+    spec = engine.server_command(ServerSpec(Path("/m"), 8123, drafter_dir=Path("/d")))
     config = json.loads(spec[spec.index("--speculative-config") + 1])
     assert config == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}
     env = engine.server_env(tmp_path)
@@ -100,7 +101,7 @@ def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
     engine = get_engine(
         "sglang", EngineSettings(kind="sglang", python="/sg/bin/python", num_speculative_tokens=3)
     )
-    argv = engine.server_command(Path("/m"), 30000, served_model_name="t", drafter_dir=Path("/d"))
+    argv = engine.server_command(ServerSpec(Path("/m"), 30000, drafter_dir=Path("/d")))
     assert argv[:3] == ["/sg/bin/python", "-m", "sglang.launch_server"]
 
     def value(flag: str) -> str:
@@ -112,13 +113,11 @@ def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
     assert value("--speculative-eagle-topk") == "1"
     assert value("--speculative-num-draft-tokens") == "4"
     assert "--enable-metrics" in argv and value("--host") == "127.0.0.1"
-    baseline = engine.server_command(Path("/m"), 30000, served_model_name="t")
+    baseline = engine.server_command(ServerSpec(Path("/m"), 30000))
     assert "--speculative-algorithm" not in baseline
 
 
 def test_export_uses_each_engines_layer_id_convention(tmp_path: Path) -> None:
-    from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
-
     target_config = {
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
@@ -204,9 +203,6 @@ def test_bare_exception_line_without_traceback_is_not_fatal(tmp_path: Path) -> N
 
 
 def test_whitelist_patch_on_a_pydantic_config_like_older_vllm(plugin_patches: Any) -> None:
-    from pydantic import model_validator
-    from pydantic.dataclasses import dataclass as pyd_dataclass
-
     class Text:
         def __init__(self, model_type: str) -> None:
             self.model_type = model_type
@@ -349,8 +345,6 @@ def test_enabler_leaves_native_classes_alone(plugin_patches: Any) -> None:
 
 
 def test_kimi_media_placeholder_alias(plugin_patches: Any) -> None:
-    from types import SimpleNamespace
-
     kimi = SimpleNamespace(model_type="kimi_k25", media_placeholder_token_id=163605)
     assert plugin_patches.add_media_placeholder_alias(kimi) is True
     assert kimi.image_token_index == 163605
@@ -364,50 +358,53 @@ def test_kimi_media_placeholder_alias(plugin_patches: Any) -> None:
 
 
 def test_standard_attention_drafter_on_mla_target_is_refused(tmp_path: Path) -> None:
-    target = write_config(tmp_path / "t", {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512})
+    # Kimi-K2.5 wraps a DeepSeek-V3 decoder: its family comes from text_config.
+    target = write_config(
+        tmp_path / "t",
+        {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+         "text_config": {"model_type": "deepseek_v3", "hidden_size": 64, "kv_lora_rank": 512}},
+    )  # fmt: skip
     llama_drafter = write_config(
         tmp_path / "d", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}
     )
     with pytest.raises(DrafterPairingError) as info:
         check_drafter_pairing(target, llama_drafter)
     message = str(info.value)
-    assert "No common block size" in message and "MLA" in message and "Eagle3DeepseekV2ForCausalLM" in message
+    assert "No common block size" in message and "deepseek" in message
+    assert "Eagle3DeepseekV2ForCausalLM" in message
     mla_drafter = write_config(
-        tmp_path / "m", {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "kv_lora_rank": 512}
+        tmp_path / "m", {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
     )
     check_drafter_pairing(target, mla_drafter)  # accepted
-    llama_target = write_config(tmp_path / "l", {"architectures": ["LlamaForCausalLM"]})
-    with pytest.raises(DrafterPairingError):
+    llama_target = write_config(
+        tmp_path / "l", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    )
+    with pytest.raises(DrafterPairingError, match="a mla-attention EAGLE-3 drafter"):
         check_drafter_pairing(llama_target, mla_drafter)
+    # A model_type no family covers: nothing to compare, nothing refused.
+    unknown = write_config(tmp_path / "u", {"architectures": ["FooForCausalLM"], "model_type": "foo"})
+    check_drafter_pairing(unknown, mla_drafter)
 
 
-def test_verdicts_separate_integration_faults_from_weak_drafters() -> None:
-    common = {"tolerance": 0.05, "min_acceptance_length": 1.5}
-    verdict, _ = decide_verdict(
-        engine_rate=0.42, simulator_rate=0.44, lossless=True, mean_acceptance_length=2.3, **common
-    )
-    assert verdict == VERDICT_OK
-    verdict, reasons = decide_verdict(
-        engine_rate=0.10, simulator_rate=0.44, lossless=True, mean_acceptance_length=1.3, **common
-    )
-    assert verdict == VERDICT_FAULT and "0.100" in reasons[0] and "0.440" in reasons[0]
-    verdict, _ = decide_verdict(
-        engine_rate=0.10, simulator_rate=0.12, lossless=True, mean_acceptance_length=1.3, **common
-    )
-    assert verdict == VERDICT_WEAK
-    verdict, reasons = decide_verdict(
-        engine_rate=0.4, simulator_rate=0.4, lossless=False, mean_acceptance_length=2.2, **common
-    )
-    assert verdict == VERDICT_FAULT and "differ" in reasons[0]
-    verdict, _ = decide_verdict(
-        engine_rate=None, simulator_rate=0.4, lossless=True, mean_acceptance_length=None, **common
-    )
-    assert verdict == VERDICT_FAULT
-    verdict, reasons = decide_verdict(
-        engine_rate=0.4, simulator_rate=0.4, lossless=True, mean_acceptance_length=2.2,
-        layer_id_mismatch="trained on layer_input [1, 3, 5]", **common,
-    )  # fmt: skip
-    assert verdict == VERDICT_FAULT and "trained on" in reasons[0]
+def test_doctor_reports_the_engine_patches_a_family_needs() -> None:
+    target = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+    applied = [
+        {"name": "speculative_whitelist", "status": "noop", "detail": "no whitelist"},
+        {"name": "kimi_media_alias", "status": "disabled", "detail": "not in DRAFTLOOP_PLUGIN_PATCHES"},
+    ]
+    family = describe_family(target, applied)
+    assert family["name"] == "deepseek" and family["drafter_attention"] == "mla"
+    assert family["engine_patches"] == [
+        {"name": "speculative_whitelist", "status": "noop", "ok": True},
+        {"name": "kimi_media_alias", "status": "disabled", "ok": False},
+    ]
+    text = format_report({"engine": "vllm", "patches": applied, "family": family})
+    assert "target family deepseek" in text
+    assert "WARNING: the family needs patch kimi_media_alias, which is disabled" in text
+    # An engine that reports no patches (no in-environment probe) cannot confirm them.
+    unreported = describe_family({"model_type": "stablelm"}, None)
+    assert unreported["engine_patches"] == [{"name": "eagle3_enabler", "status": "not reported", "ok": False}]
+    assert describe_family({"model_type": "foo"}, applied) == {"name": None, "model_type": "foo"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -469,8 +466,6 @@ def test_stale_server_of_a_crashed_run_is_killed_on_next_start(tmp_path: Path) -
     stale_pid = first.pid
     assert stale_pid is not None
     # Simulate a crashed orchestrator: the server lives on, its pidfile stays behind.
-    from draftloop.infra.engines import server as server_module
-
     server_module._LIVE.discard(first)
     try:
         assert clean_stale_servers(run_dir) == [stale_pid]
@@ -481,137 +476,9 @@ def test_stale_server_of_a_crashed_run_is_killed_on_next_start(tmp_path: Path) -
             os.killpg(first.process.pid, signal.SIGKILL)
 
 
-# ------------------------------------------------------------------------------------------------
-# Evaluation on the fake engine
-
-
-@pytest.fixture(scope="module")
-def tokenizer_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A target folder with the zoo's tokenizer (the fake engine ignores the weights)."""
-    from draftloop.infra.zoo import build_tokenizer
-
-    folder = tmp_path_factory.mktemp("fake-target")
-    build_tokenizer(0).save_pretrained(folder)
-    (folder / "config.json").write_text(
-        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    )
-    return folder
-
-
-def _sim(rate: float) -> SimulatorFigures:
-    return SimulatorFigures(
-        acceptance_rate=rate, mean_acceptance_length=1 + 3 * rate, per_position=[0.6, 0.4, 0.2],
-        num_drafts=10, capture_layer_ids=[1, 3, 5],
-    )  # fmt: skip
-
-
-def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
-    tmp_path: Path, tokenizer_target: Path
-) -> None:
-    # The fake engine reads layer_output ids: these are the layers the simulator captures (1, 3, 5).
-    drafter = write_config(
-        tmp_path / "drafter",
-        {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [0, 2, 4]},
-    )
-    prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
-    report = evaluate(
-        fake_engine("--token-delay", "0.002"), tokenizer_target, drafter, prompts, tmp_path / "eval",
-        max_tokens=8, concurrency=[1, 2], simulator=_sim(0.4), acceptance_tolerance=0.05,
-    )  # fmt: skip
-    assert report.lossless and report.mismatched_prompts == []
-    assert report.engine_acceptance is not None
-    assert report.engine_acceptance["acceptance_rate"] == pytest.approx(0.4)
-    assert report.engine_acceptance["per_position_acceptance"] == pytest.approx([0.6, 0.4, 0.2])
-    assert report.verdict == VERDICT_OK, report.reasons
-    assert set(report.speedup) == {1, 2} and all(v is not None and v > 0 for v in report.speedup.values())
-    level = report.baseline.levels[0]
-    assert level.output_tokens == 3 * 8 and level.ttft_mean_s is not None and level.tpot_mean_s is not None
-    saved = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
-    assert saved["verdict"] == VERDICT_OK and saved["engine_layer_ids"]["layer_input"] == [1, 3, 5]
-    for plot in report.plots:
-        assert Path(plot).read_bytes()[:4] == b"\x89PNG"
-
-    # Same servers, a simulator that predicts much more acceptance: the engine is not running the drafter
-    # as trained -> integration fault (not a weak drafter).
-    faulty = evaluate(
-        fake_engine(), tokenizer_target, drafter, prompts, tmp_path / "eval2",
-        max_tokens=4, concurrency=[1], simulator=_sim(0.7), baseline=report.baseline,
-    )  # fmt: skip
-    assert faulty.verdict == VERDICT_FAULT and faulty.acceptance_gap == pytest.approx(0.3)
-
-
-def test_evaluate_flags_lossy_speculation(tmp_path: Path, tokenizer_target: Path) -> None:
-    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
-    report = evaluate(
-        fake_engine("--perturb", "1"), tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
-        max_tokens=4, concurrency=[1], simulator=_sim(0.4),
-    )  # fmt: skip
-    assert not report.lossless and report.mismatched_prompts == [0, 1]
-    assert report.verdict == VERDICT_FAULT
-
-
 def test_engine_doctor_cli_reports_user_errors_with_exit_code_2(tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from draftloop.cli import app
-
     result = CliRunner().invoke(app, ["engine", "doctor", "--target", str(tmp_path / "missing")])
     assert result.exit_code == 2
     assert "--target" in result.output and "config.json" in result.output
     result = CliRunner().invoke(app, ["engine", "doctor"])
     assert result.exit_code == 2
-
-
-@pytest.mark.slow
-def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> None:
-    """The flow's path: each server hosted by an EngineServerActor (num_gpus from the config, 0 here)."""
-    import ray
-
-    from draftloop.infra.actors import ensure_ray
-    from draftloop.infra.engines.server import ray_server_starter
-
-    ensure_ray(num_cpus=2)
-    engine = fake_engine()
-    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
-    # The actor process must import the fake engine's module (tests/ is not a package).
-    tests_dir = str(Path(__file__).resolve().parent)
-    starter = ray_server_starter(
-        engine, tokenizer_target, tmp_path / "eval", 3, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
-    )
-    report = evaluate(
-        engine, tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
-        max_tokens=4, concurrency=[1], simulator=_sim(0.4), start_server=starter,
-    )  # fmt: skip
-    assert report.verdict == VERDICT_OK, report.reasons
-    assert report.baseline.startup_s is not None and report.lossless
-    assert not list((tmp_path / "eval" / "engine-servers").glob("*.json"))  # both servers stopped
-    assert ray.is_initialized()
-
-
-def test_exported_ids_that_differ_from_the_trained_ones_are_detected(tmp_path: Path) -> None:
-    from draftloop.infra.evaluate import exported_layer_id_mismatch
-
-    vllm, sglang = get_engine("vllm"), get_engine("sglang")
-    record = {"draftloop": {"aux_layer_ids": [1, 3, 5], "aux_layer_ids_convention": "layer_input"}}
-    good = write_config(tmp_path / "good", {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], **record})
-    assert exported_layer_id_mismatch(vllm, good) is None
-    # SGLang-convention ids written into a vLLM export: off by one.
-    bad = write_config(tmp_path / "bad", {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], **record})
-    reason = exported_layer_id_mismatch(vllm, bad)
-    assert reason is not None and "[0, 2, 4]" in reason and "[1, 3, 5]" in reason
-    assert exported_layer_id_mismatch(sglang, bad) is None  # the same ids are right for SGLang
-    published = write_config(tmp_path / "pub", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
-    assert exported_layer_id_mismatch(vllm, published) is None  # no training record to compare with
-
-
-def test_numeric_tie_excuses_only_near_ties_at_the_first_divergence() -> None:
-    from draftloop.infra.evaluate import numeric_tie_at_divergence
-
-    base = [("a", {"a": -0.1, "b": -2.0}), ("c", {"c": -0.60, "d": -0.70}), ("e", {"e": -0.1})]
-    flip_near_tie = [("a", {}), ("d", {}), ("x", {})]
-    tie = numeric_tie_at_divergence(base, flip_near_tie)
-    assert tie is not None and tie["position"] == 1 and tie["speculative"] == "d"
-    assert abs(tie["gap_nats"] - 0.10) < 1e-9
-    assert numeric_tie_at_divergence(base, [("b", {}), ("c", {}), ("e", {})]) is None  # gap 1.9 nats: a loss
-    assert numeric_tie_at_divergence(base, [("a", {}), ("z", {}), ("e", {})]) is None  # not in the top-2
-    assert numeric_tie_at_divergence(base, base) is None  # identical streams: nothing to excuse

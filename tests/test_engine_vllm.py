@@ -13,25 +13,30 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fixtures_engine import (
     export_for_vllm,
     require_vllm_env,
     shift_exported_layer_ids,
     vllm_settings,
 )
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
 
+from draftloop.cli import app
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.engines.doctor import run_doctor
+from draftloop.infra.engines.pairing import DrafterPairingError
 from draftloop.infra.engines.server import EngineServer, EngineStartError
-from draftloop.infra.evaluate import (
-    VERDICT_FAULT,
-    DrafterPairingError,
-    EvalReport,
-    SimulatorFigures,
-    benchmark_server,
-    encode_prompts,
-    evaluate,
-)
+from draftloop.infra.evaluation.benchmark import benchmark_server
+from draftloop.infra.evaluation.report import EvalReport
+from draftloop.infra.evaluation.run import evaluate
+from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts
+from draftloop.infra.evaluation.verdict import VERDICT_FAULT
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+from draftloop.kernels.families.base import get_family
+from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.simulate import simulate_acceptance
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -44,8 +49,6 @@ TOLERANCE = 0.05
 def _evaluate_pair(
     pair: Any, root: Path, dtype: str = "float32"
 ) -> tuple[Path, SimulatorFigures, EvalReport]:
-    from draftloop.kernels.simulate import simulate_acceptance
-
     require_vllm_env()
     drafter_dir = export_for_vllm(pair.drafter, root / "drafter")
     simulation = simulate_acceptance(
@@ -156,14 +159,11 @@ def test_tiny_deepseek_with_mla_drafter(deepseek_eval: Any) -> None:
 def test_standard_attention_drafter_on_mla_target_refused_before_startup(
     trained_pair: Callable[[str], Any], tmp_path: Path
 ) -> None:
-    from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, save_drafter
-    from draftloop.kernels.layer_ids import LayerIds
-
     pair = trained_pair("tiny-deepseek")
     llama_style = Eagle3Drafter(
-        DrafterConfig.for_target(pair.target.config, LayerIds((1, 2, 3)), attention="llama")
+        DrafterConfig.for_target(pair.target.config, LayerIds((1, 2, 3)), family=get_family("llama"))
     )
-    drafter_dir = save_drafter(llama_style, tmp_path / "llama-drafter", engine="vllm")
+    drafter_dir = get_engine("vllm").export_drafter(llama_style, tmp_path / "llama-drafter")
     started = time.monotonic()
     with pytest.raises(DrafterPairingError) as info:
         evaluate(
@@ -179,18 +179,12 @@ def test_architecture_without_eagle3_served_after_plugin_patch(
     tiny_stablelm_dir: Path, tmp_path: Path
 ) -> None:
     """StableLM has no SupportsEagle3 in vLLM 0.32.0: the plugin's enabler makes EAGLE-3 work."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, save_drafter
-    from draftloop.kernels.layer_ids import LayerIds
-
     require_vllm_env()
     engine = get_engine("vllm", vllm_settings())
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(tiny_stablelm_dir)
     drafter = Eagle3Drafter(DrafterConfig.for_target(config, LayerIds((1, 3, 5))))
-    drafter_dir = save_drafter(drafter, tmp_path / "drafter", engine="vllm")
+    drafter_dir = engine.export_drafter(drafter, tmp_path / "drafter")
 
     doctor = run_doctor(engine, tiny_stablelm_dir, drafter_dir)
     assert doctor["eagle3"] == {
@@ -220,8 +214,6 @@ def test_architecture_without_eagle3_served_after_plugin_patch(
 
     # Speculation stays lossless: the served greedy text equals Hugging Face's greedy generation.
     target = AutoModelForCausalLM.from_pretrained(tiny_stablelm_dir, dtype=torch.float32).eval()
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_stablelm_dir)
     for ids, served in zip(prompt_ids, run.outputs, strict=True):
         with torch.no_grad():
@@ -246,10 +238,6 @@ def test_bad_flag_fails_fast_with_log_excerpt(
 
 
 def test_engine_doctor_cli_on_a_native_target(engine_zoo_target: Callable[[str], Path]) -> None:
-    from typer.testing import CliRunner
-
-    from draftloop.cli import app
-
     require_vllm_env()
     target = engine_zoo_target("tiny-llama")
     result = CliRunner().invoke(

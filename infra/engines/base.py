@@ -18,6 +18,7 @@ import json
 import os
 import pkgutil
 import re
+import shutil
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from draftloop.kernels.checkpoint import save_drafter
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.drafter import Eagle3Drafter
 from draftloop.kernels.layer_ids import Convention, LayerIds, normalize_convention
@@ -99,46 +101,17 @@ class EngineSettings:
     num_gpus: float = 0
     kv_cache_space_gib: int = 1
 
-    @classmethod
-    def from_config(cls, engine_section: Any, root: Path | None = None) -> EngineSettings:
-        """Build from `ExperimentConfig.engine` (any object or mapping with the config's field names).
-
-        A relative `python` path is resolved against `root` (the repository / working directory).
-        """
-
-        def get(name: str, default: Any) -> Any:
-            if isinstance(engine_section, Mapping):
-                return engine_section.get(name, default)
-            return getattr(engine_section, name, default)
-
-        defaults = cls()
-        python = str(get("python", defaults.python))
-        if root is not None and not os.path.isabs(python):
-            python = str(Path(root) / python)
-        return cls(
-            kind=str(get("kind", defaults.kind)),
-            python=python,
-            num_speculative_tokens=int(get("num_speculative_tokens", defaults.num_speculative_tokens)),
-            dtype=str(get("dtype", defaults.dtype)),
-            enforce_eager=bool(get("enforce_eager", defaults.enforce_eager)),
-            max_model_len=int(get("max_model_len", defaults.max_model_len)),
-            max_num_seqs=int(get("max_num_seqs", defaults.max_num_seqs)),
-            startup_timeout_s=float(get("startup_timeout_s", defaults.startup_timeout_s)),
-            extra_args=tuple(str(a) for a in (get("extra_args", ()) or ())),
-            env={str(k): str(v) for k, v in dict(get("env", {}) or {}).items()},
-            num_gpus=float(get("num_gpus", defaults.num_gpus)),
-            kv_cache_space_gib=int(get("kv_cache_space_gib", defaults.kv_cache_space_gib)),
-        )
-
 
 @dataclass(frozen=True)
-class ServerLaunch:
-    """Everything needed to start one server process."""
+class ServerSpec:
+    """What one server serves: the target, and for a speculative server the drafter and its k
+    (None = the engine settings' `num_speculative_tokens`)."""
 
-    argv: list[str]
-    env: dict[str, str]
+    target_dir: Path
     port: int
-    served_model_name: str
+    served_model_name: str = "target"
+    drafter_dir: Path | None = None
+    num_speculative_tokens: int | None = None
 
 
 class Engine(ABC):
@@ -162,9 +135,13 @@ class Engine(ABC):
     def python(self) -> Path:
         """The engine's own Python interpreter (the orchestrator never imports the engine).
 
-        Absolute but not resolved: a venv's python is a symlink whose target would lose the venv.
+        Absolute but not resolved: a venv's python is a symlink whose target would lose the venv. A bare
+        name ("python3") is looked up on PATH.
         """
-        return Path(os.path.abspath(self.settings.python))
+        python = self.settings.python
+        if os.sep not in python:
+            python = shutil.which(python) or python
+        return Path(os.path.abspath(python))
 
     def check_python(self) -> Path:
         path = self.python
@@ -182,38 +159,15 @@ class Engine(ABC):
     # ---- command line ------------------------------------------------------------------------
 
     @abstractmethod
-    def server_command(
-        self,
-        target_dir: Path,
-        port: int,
-        *,
-        served_model_name: str,
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> list[str]:
-        """argv of the server: baseline when `drafter_dir` is None, speculative otherwise."""
+    def server_command(self, spec: ServerSpec) -> list[str]:
+        """argv of the server: baseline when `spec.drafter_dir` is None, speculative otherwise."""
 
-    def launch(
-        self,
-        target_dir: Path,
-        run_dir: Path,
-        port: int,
-        *,
-        served_model_name: str = "target",
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> ServerLaunch:
+    def process_env(self, run_dir: Path) -> dict[str, str]:
+        """The server process's whole environment: ours, the engine's, then the config's `engine.env`."""
         env = dict(os.environ)
         env.update(self.server_env(run_dir))
         env.update({str(k): str(v) for k, v in self.settings.env.items()})
-        argv = self.server_command(
-            target_dir,
-            port,
-            served_model_name=served_model_name,
-            drafter_dir=drafter_dir,
-            num_speculative_tokens=num_speculative_tokens,
-        )
-        return ServerLaunch(argv=argv, env=env, port=port, served_model_name=served_model_name)
+        return env
 
     def doctor_command(self, target_dir: Path, drafter_dir: Path | None) -> list[str] | None:
         """argv of a probe, run in the engine's environment, that prints one `DRAFTLOOP_DOCTOR {json}`
@@ -234,8 +188,6 @@ class Engine(ABC):
         """Write `drafter` as the folder this engine loads: its aux layer ids in `layer_id_convention`
         plus `export_config` keys. `layer_ids` restates the capture ids (refused when they differ from
         the trained ones unless `allow_layer_mismatch`)."""
-        from draftloop.kernels.checkpoint import save_drafter  # TODO(B): top-level once A's split lands
-
         capture_ids = layer_ids if layer_ids is not None else drafter.config.aux_layer_ids
         return save_drafter(
             drafter,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from draftloop.infra.engines.base import Engine, EngineError, read_json, stored_layer_ids
-from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing
+from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing, family_or_none
 
 _MARKER = "DRAFTLOOP_DOCTOR "
 
@@ -33,6 +33,7 @@ def run_doctor(
         result["engine_version"] = _version_or_none(engine)
     else:
         result.update(_run_probe(engine, argv, timeout_s))
+    result["family"] = describe_family(read_json(target_dir / "config.json"), result.get("patches"))
     if drafter_dir is not None:
         result["layer_ids"] = describe_layer_ids(engine, drafter_dir)
         try:
@@ -69,6 +70,25 @@ def _version_or_none(engine: Engine) -> str | None:
         return None
 
 
+# Patch statuses that leave the engine able to serve the family (see the plugin's PatchResult).
+_PATCH_OK = ("applied", "noop", "skipped")
+
+
+def describe_family(target_config: dict[str, Any], applied: list[dict[str, str]] | None) -> dict[str, Any]:
+    """The target's family and, for each engine patch it declares, what the engine's plugin did
+    (`ok` False: a patch it needs failed, was disabled, or the engine reported no such patch)."""
+    family = family_or_none(target_config)
+    if family is None:
+        return {"name": None, "model_type": target_config.get("model_type")}
+    statuses = {patch["name"]: patch for patch in applied or []}
+    needs = []
+    for name in family.engine_patches:
+        patch = statuses.get(name)
+        status = patch["status"] if patch is not None else "not reported"
+        needs.append({"name": name, "status": status, "ok": status in _PATCH_OK})
+    return {"name": family.name, "drafter_attention": family.drafter_attention, "engine_patches": needs}
+
+
 def describe_layer_ids(engine: Engine, drafter_dir: Path) -> dict[str, Any]:
     """Engine-convention ids from the drafter's config, the same in draftloop's convention, and the
     ids the drafter was trained on (its draftloop block); `consistent` False = an export bug."""
@@ -92,6 +112,16 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for patch in report.get("patches", []):
         lines.append(f"  patch {patch['name']}: {patch['status']} ({patch['detail']})")
+    family = report.get("family") or {}
+    if family.get("name") is None:
+        lines.append(f"target family: none registered for model_type {family.get('model_type')!r}")
+    else:
+        needs = family.get("engine_patches") or []
+        listed = ", ".join(f"{need['name']} ({need['status']})" for need in needs) or "none"
+        lines.append(f"target family {family['name']}: engine patches needed: {listed}")
+        for need in needs:
+            if not need["ok"]:
+                lines.append(f"  WARNING: the family needs patch {need['name']}, which is {need['status']}")
     eagle3 = report.get("eagle3")
     if eagle3:
         lines.append(f"target class {eagle3.get('class')}: EAGLE-3 {eagle3.get('support')}")

@@ -30,7 +30,8 @@ from typing import Any
 
 import httpx
 
-from draftloop.infra.engines.base import Engine, EngineError, EngineSettings, get_engine
+from draftloop.infra.engines.base import Engine, EngineError, EngineSettings, ServerSpec
+from draftloop.infra.processes import is_alive, stop_processes
 
 SHM_DIR = Path("/dev/shm")
 PIDFILE_DIR_NAME = "engine-servers"
@@ -77,16 +78,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -129,23 +120,7 @@ def _shm_held_by(pids: list[int]) -> set[str]:
 
 def _shm_in_use() -> set[str]:
     """Names of /dev/shm files some live process has open or mapped."""
-    used: set[str] = set()
-    prefix = str(SHM_DIR) + "/"
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith(prefix):
-                        used.add(target[len(prefix) :].split(" ")[0])
-        with contextlib.suppress(OSError):
-            for line in (proc / "maps").read_text(errors="replace").splitlines():
-                index = line.find(prefix)
-                if index >= 0:
-                    used.add(line[index + len(prefix) :].split(" ")[0])
-    return used
+    return _shm_held_by([int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit()])
 
 
 _KMP_FILE = re.compile(r"^__KMP_REGISTERED_LIB_(\d+)_")
@@ -170,29 +145,12 @@ def _remove_unused_shm(names: set[str]) -> list[str]:
     removed = []
     for name in sorted(names - in_use):
         match = _KMP_FILE.match(name)
-        if match and _pid_alive(int(match.group(1))):
+        if match and is_alive(int(match.group(1))):
             continue
         with contextlib.suppress(OSError):
             (SHM_DIR / name).unlink()
             removed.append(name)
     return removed
-
-
-def _kill_group(pgid: int, grace_s: float, leader: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGTERM the process group, wait up to grace_s for its leader, then SIGKILL the group."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
-    if leader is not None:
-        # Our own child: wait() reaps it (a zombie would still answer kill(pid, 0)).
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            leader.wait(timeout=grace_s)
-    else:
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _pid_alive(pgid):
-            time.sleep(0.1)
-    # Children of the leader (engine core, workers) may outlive it: the group gets SIGKILL regardless.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def clean_stale_servers(run_dir: Path) -> list[int]:
@@ -210,8 +168,8 @@ def clean_stale_servers(run_dir: Path) -> list[int]:
             continue
         pid = int(record.get("pid", 0))
         # Only ours: the live process must still run the command line we recorded (PIDs get reused).
-        if pid > 0 and _pid_alive(pid) and _cmdline(pid) == list(record.get("argv", [])):
-            _kill_group(int(record.get("pgid", pid)), grace_s=5.0)
+        if pid > 0 and is_alive(pid) and _cmdline(pid) == list(record.get("argv", [])):
+            stop_processes([int(record.get("pgid", pid))], grace_s=5.0)
             killed.append(pid)
         _remove_unused_shm({str(name) for name in record.get("shm_files", []) if "/" not in str(name)})
         pidfile.unlink(missing_ok=True)
@@ -302,10 +260,6 @@ class EngineServer:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def speculative(self) -> bool:
-        return self.drafter_dir is not None
-
-    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
@@ -322,15 +276,15 @@ class EngineServer:
         clean_stale_servers(self.run_dir)
         if self.port is None:
             self.port = free_port()
-        launch = self.engine.launch(
-            self.target_dir,
-            self.run_dir,
-            self.port,
-            served_model_name=self.served_model_name,
-            drafter_dir=self.drafter_dir,
-            num_speculative_tokens=self.num_speculative_tokens,
+        argv = self.engine.server_command(
+            ServerSpec(
+                self.target_dir,
+                self.port,
+                served_model_name=self.served_model_name,
+                drafter_dir=self.drafter_dir,
+                num_speculative_tokens=self.num_speculative_tokens,
+            )
         )
-        argv = launch.argv
         # Recorded as passed: it must equal /proc/<pid>/cmdline for the stale-server check.
         self._argv = argv
         log = self.log_path.open("wb")
@@ -341,7 +295,7 @@ class EngineServer:
         try:
             self.process = subprocess.Popen(
                 argv,
-                env=launch.env,
+                env=self.engine.process_env(self.run_dir),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -513,7 +467,7 @@ class EngineServer:
             return
         if process.poll() is None:
             self._record_own_shm()
-            _kill_group(process.pid, grace_s, leader=process)
+            stop_processes([process.pid], grace_s)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5.0)
         else:
@@ -551,22 +505,19 @@ class EngineServerActor:
     """Hosts one EngineServer inside a Ray actor (on the node and GPUs Ray gives it).
 
     Create with `EngineServerActor.options_for(settings).remote(engine, target_dir, run_dir, ...)`:
-    num_gpus comes from the engine config (0 on CPU). `engine` is an Engine (pickled) or an engine kind
-    with `settings` (a dict of EngineSettings fields). The benchmark client talks to `url()` over HTTP.
+    num_gpus comes from the engine config (0 on CPU); `engine` travels pickled. The benchmark client
+    talks to the url `start()` returns over HTTP.
     """
 
     def __init__(
         self,
-        engine: Engine | str,
+        engine: Engine,
         target_dir: str,
         run_dir: str,
         name: str = "baseline",
         drafter_dir: str | None = None,
         num_speculative_tokens: int | None = None,
-        settings: dict[str, Any] | None = None,
     ) -> None:
-        if isinstance(engine, str):
-            engine = get_engine(engine, EngineSettings.from_config(settings or {"kind": engine}))
         self.server = EngineServer(
             engine,
             Path(target_dir),
@@ -582,17 +533,11 @@ class EngineServerActor:
         startup = self.server.wait_ready()
         return {"url": self.server.base_url, "startup_s": startup, "log_path": str(self.server.log_path)}
 
-    def url(self) -> str:
-        return self.server.base_url
-
     def smoke_test(self) -> SmokeResult:
         return self.server.smoke_test()
 
     def metrics_text(self) -> str:
         return self.server.metrics_text()
-
-    def log_path(self) -> str:
-        return str(self.server.log_path)
 
     def stop(self) -> None:
         self.server.stop()
@@ -605,76 +550,3 @@ class EngineServerActor:
         return ray.remote(num_gpus=settings.num_gpus, num_cpus=0, max_restarts=0, **options)(
             EngineServerActor
         )
-
-
-class RayServerProxy:
-    """An EngineServerActor seen as a server (base_url, metrics_text, smoke_test, stop) by evaluation."""
-
-    def __init__(self, actor: Any, info: dict[str, Any]) -> None:
-        self.actor = actor
-        self.base_url: str = info["url"]
-        self.startup_s: float | None = info.get("startup_s")
-        self.log_path = Path(info["log_path"])
-
-    def metrics_text(self) -> str:
-        import ray
-
-        return str(ray.get(self.actor.metrics_text.remote()))
-
-    def smoke_test(self) -> SmokeResult:
-        import ray
-
-        result: SmokeResult = ray.get(self.actor.smoke_test.remote())
-        return result
-
-    def stop(self) -> None:
-        import ray
-
-        # Stop the server from inside the actor first: ray.kill alone would orphan it.
-        with contextlib.suppress(Exception):
-            ray.get(self.actor.stop.remote(), timeout=60)
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor, no_restart=True)
-
-
-def ray_server_starter(
-    engine: Engine, target_dir: Path, run_dir: Path, num_speculative_tokens: int, **actor_options: Any
-) -> Any:
-    """A `start_server(name, drafter_dir)` for `evaluate` that hosts each server in a Ray actor."""
-    import ray
-
-    @contextlib.contextmanager
-    def start(name: str, drafter_dir: Path | None) -> Any:
-        actor_cls = EngineServerActor.options_for(engine.settings, **actor_options)
-        actor = actor_cls.remote(
-            engine,
-            str(target_dir),
-            str(run_dir),
-            name=name,
-            drafter_dir=str(drafter_dir) if drafter_dir is not None else None,
-            num_speculative_tokens=num_speculative_tokens if drafter_dir is not None else None,
-        )
-        proxy: RayServerProxy | None = None
-        try:
-            info = ray.get(actor.start.remote())
-            proxy = RayServerProxy(actor, info)
-            yield proxy
-        finally:
-            if proxy is not None:
-                proxy.stop()
-            else:
-                with contextlib.suppress(Exception):
-                    ray.get(actor.stop.remote(), timeout=60)
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
-
-    return start
-
-
-def settings_to_dict(settings: EngineSettings) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    data = asdict(settings)
-    data["extra_args"] = list(settings.extra_args)
-    data["env"] = dict(settings.env)
-    return data

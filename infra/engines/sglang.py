@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from draftloop.infra.engines.base import Engine, FatalPattern, register_engine
+from draftloop.infra.engines.base import Engine, FatalPattern, ServerSpec, register_engine
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -45,28 +45,20 @@ class SglangEngine(Engine):
             "TRITON_CACHE_DIR": str(Path(run_dir) / "triton-cache"),
         }
 
-    def server_command(
-        self,
-        target_dir: Path,
-        port: int,
-        *,
-        served_model_name: str,
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> list[str]:
+    def server_command(self, spec: ServerSpec) -> list[str]:
         s = self.settings
         argv = [
             str(self.python),
             "-m",
             "sglang.launch_server",
             "--model-path",
-            str(target_dir),
+            str(spec.target_dir),
             "--served-model-name",
-            served_model_name,
+            spec.served_model_name,
             "--host",
             "127.0.0.1",
             "--port",
-            str(port),
+            str(spec.port),
             "--dtype",
             s.dtype,
             "--context-length",
@@ -79,13 +71,13 @@ class SglangEngine(Engine):
         ]
         if s.enforce_eager:
             argv.append("--disable-cuda-graph")
-        if drafter_dir is not None:
-            steps = int(num_speculative_tokens or s.num_speculative_tokens)
+        if spec.drafter_dir is not None:
+            steps = int(spec.num_speculative_tokens or s.num_speculative_tokens)
             argv += [
                 "--speculative-algorithm",
                 "EAGLE3",
                 "--speculative-draft-model-path",
-                str(drafter_dir),
+                str(spec.drafter_dir),
                 "--speculative-num-steps",
                 str(steps),
                 "--speculative-eagle-topk",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from draftloop.infra.engines.base import Engine, FatalPattern, parse_prometheus, register_engine
+from draftloop.infra.engines.base import Engine, FatalPattern, ServerSpec, parse_prometheus, register_engine
 from draftloop.kernels.counters import SpecCounters
 
 # Counter names on /metrics; each also appears with a `_total` suffix (Prometheus counters).
@@ -89,28 +90,20 @@ class VllmEngine(Engine):
         candidate = env_root / "lib" / "libiomp5.so"
         return candidate if candidate.exists() else None
 
-    def server_command(
-        self,
-        target_dir: Path,
-        port: int,
-        *,
-        served_model_name: str,
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> list[str]:
+    def server_command(self, spec: ServerSpec) -> list[str]:
         s = self.settings
         argv = [
             str(self.python),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(target_dir),
+            str(spec.target_dir),
             "--served-model-name",
-            served_model_name,
+            spec.served_model_name,
             "--host",
             "127.0.0.1",
             "--port",
-            str(port),
+            str(spec.port),
             "--dtype",
             s.dtype,
             "--max-model-len",
@@ -125,13 +118,13 @@ class VllmEngine(Engine):
         if s.num_gpus <= 0:
             # One CPU worker: run it inside the engine-core process (one Python process fewer to start).
             argv += ["--distributed-executor-backend", "uni"]
-        if drafter_dir is not None:
-            spec = {
+        if spec.drafter_dir is not None:
+            speculative = {
                 "method": "eagle3",
-                "model": str(drafter_dir),
-                "num_speculative_tokens": int(num_speculative_tokens or s.num_speculative_tokens),
+                "model": str(spec.drafter_dir),
+                "num_speculative_tokens": int(spec.num_speculative_tokens or s.num_speculative_tokens),
             }
-            argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+            argv += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
         argv += list(s.extra_args)
         return argv
 
@@ -167,6 +160,10 @@ class VllmEngine(Engine):
             num_accepted_tokens=totals.get(_ACCEPTED, 0.0),
             accepted_per_position=tuple(per_pos.get(i, 0.0) for i in range(width)),
         )
+
+    def request_extras(self) -> dict[str, Any]:
+        # The output token ids in every streamed chunk: the evaluation's simulator replays them.
+        return {"return_token_ids": True}
 
     def version_probe_code(self) -> str:
         # Distribution metadata only: importing vllm itself takes many seconds.
