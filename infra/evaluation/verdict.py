@@ -1,0 +1,255 @@
+"""What the measurements mean: lossless, engine vs simulator consistency, and the verdict.
+
+Verdicts, most serious first:
+- `integration_fault`: the engine does not run the drafter as it was trained: the exported layer ids are
+  not the trained ones, no drafts were made, speculative outputs differ from the baseline's beyond a
+  numerical tie, or engine and simulator acceptance differ beyond the tolerance on the same text;
+- `numeric_mode_mismatch`: acceptance differs beyond the tolerance, but the simulator could not run in the
+  engine's numeric mode (the two modes are named), so the gap says nothing about the integration;
+- `inconclusive`: acceptance differs beyond the tolerance, but was measured on different texts (the
+  simulator's greedy text left the engine's, and the engine gives neither its token ids nor per-request
+  counters to align them);
+- `weak_drafter`: consistent, but the mean acceptance length is under the gate's minimum;
+- `ok`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftloop.infra.engines.base import Engine, read_json, stored_layer_ids
+from draftloop.infra.evaluation.benchmark import ServerRun
+from draftloop.infra.evaluation.simulator import SimulatorFigures
+
+VERDICT_OK = "ok"
+VERDICT_WEAK = "weak_drafter"
+VERDICT_FAULT = "integration_fault"
+VERDICT_MODE_MISMATCH = "numeric_mode_mismatch"
+VERDICT_INCONCLUSIVE = "inconclusive"
+
+# A greedy flip between two tokens whose logprobs differ by less than this is a numerical tie (one bf16
+# step of a logit is ~0.06-0.125 nats at these magnitudes; a multi-token verify step and a single-token
+# decode round differently), not a loss.
+NUMERIC_TIE_NATS = 0.15
+
+
+# ------------------------------------------------------------------------------------------------
+# Lossless
+
+
+def numeric_tie_at_divergence(
+    baseline: Sequence[tuple[str, Mapping[str, float]]],
+    speculative: Sequence[tuple[str, Mapping[str, float]]],
+    tolerance: float = NUMERIC_TIE_NATS,
+) -> dict[str, Any] | None:
+    """Where two greedy token streams first differ, the baseline's logprob gap between its token and the
+    speculative server's; a dict when that gap is within ``tolerance`` (a tie), else None."""
+    for position, ((base_token, top), (spec_token, _)) in enumerate(zip(baseline, speculative, strict=False)):
+        if base_token == spec_token:
+            continue
+        if base_token not in top or spec_token not in top:
+            return None
+        gap = top[base_token] - top[spec_token]
+        if gap > tolerance:
+            return None
+        return {"position": position, "baseline": base_token, "speculative": spec_token, "gap_nats": gap}
+    return None
+
+
+def compare_outputs(
+    baseline: ServerRun, speculative: ServerRun
+) -> tuple[list[int], dict[int, dict[str, Any]]]:
+    """(prompts whose greedy outputs differ beyond a numerical tie, {prompt: tie} for the excused ones).
+
+    Lossless within one numeric mode: a differing prompt is excused only when its first divergence is a
+    near-tie in the baseline's own logprobs.
+    """
+    differing = [
+        i for i, (a, b) in enumerate(zip(baseline.outputs, speculative.outputs, strict=True)) if a != b
+    ]
+    ties: dict[int, dict[str, Any]] = {}
+    for i in differing:
+        if i < len(baseline.output_logprobs) and i < len(speculative.output_logprobs):
+            tie = numeric_tie_at_divergence(baseline.output_logprobs[i], speculative.output_logprobs[i])
+            if tie is not None:
+                ties[i] = tie
+    return [i for i in differing if i not in ties], ties
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine vs simulator
+
+
+def engine_acceptance(run: ServerRun) -> dict[str, Any] | None:
+    """Counters of the first level that had drafts (lowest concurrency first: the level whose outputs
+    the run records per prompt, and the closest to the simulator's one-prompt-at-a-time decoding)."""
+    for level in sorted(run.levels, key=lambda lv: lv.concurrency):
+        if level.counters is not None:
+            return dict(level.counters, concurrency=level.concurrency)
+    return None
+
+
+@dataclass
+class AcceptanceComparison:
+    """Engine and simulator acceptance rates measured on the same text, and how that was ensured.
+
+    `method`: "replay" (the simulator replayed the engine's output tokens: every prompt compared),
+    "agreeing_prompts" (free-running simulator; prompts whose texts differ excluded on both sides with
+    the engine's per-request counters), "all_prompts" (free-running; no prompt diverged, or no way to
+    exclude them: then `comparable` is False when some did), "given" (figures passed in).
+    """
+
+    method: str
+    engine_rate: float | None
+    simulator_rate: float | None
+    comparable: bool = True
+    divergent_prompts: list[int] = field(default_factory=list)
+    excluded_prompts: list[int] = field(default_factory=list)
+    # Replay: divergent prompts whose first divergence is a near-tie in the simulator's own numerics.
+    near_tie_prompts: list[int] = field(default_factory=list)
+
+    @property
+    def gap(self) -> float | None:
+        if self.engine_rate is None or self.simulator_rate is None:
+            return None
+        return abs(self.engine_rate - self.simulator_rate)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "gap": self.gap}
+
+
+def _rate(accepted: float, draft_tokens: float) -> float | None:
+    return accepted / draft_tokens if draft_tokens > 0 else None
+
+
+def compare_acceptance(
+    engine: Mapping[str, Any] | None,
+    speculative: ServerRun,
+    simulator: SimulatorFigures | None,
+) -> AcceptanceComparison:
+    """Pair the engine's acceptance with the simulator's on the same text (see AcceptanceComparison)."""
+    engine_rate = engine.get("acceptance_rate") if engine else None
+    if simulator is None:
+        return AcceptanceComparison("none", engine_rate, None)
+    divergent = [i for i, prompt in enumerate(simulator.prompts) if prompt.divergent]
+    near_ties = [
+        i
+        for i in divergent
+        if (d := simulator.prompts[i].divergence) is not None and d["gap_nats"] <= NUMERIC_TIE_NATS
+    ]
+    if simulator.method != "free_running" or not divergent:
+        method = "all_prompts" if simulator.method == "free_running" else simulator.method
+        return AcceptanceComparison(
+            method, engine_rate, simulator.acceptance_rate, True, divergent, [], near_ties
+        )
+    # Free running and some texts differ: the engine's aggregate counters cover those prompts too, so
+    # compare only the prompts whose texts agree, which needs the engine's counters per request.
+    per_request = speculative.prompt_counters()
+    agreeing = [i for i in range(len(simulator.prompts)) if i not in divergent]
+    if per_request is None or len(per_request) != len(simulator.prompts) or not agreeing:
+        return AcceptanceComparison(
+            "all_prompts", engine_rate, simulator.acceptance_rate, False, divergent, [], near_ties
+        )
+    engine_subset = _rate(
+        sum(per_request[i].num_accepted_tokens for i in agreeing),
+        sum(per_request[i].num_draft_tokens for i in agreeing),
+    )
+    simulator_subset = _rate(
+        sum(simulator.prompts[i].num_accepted_tokens for i in agreeing),
+        sum(simulator.prompts[i].num_draft_tokens for i in agreeing),
+    )
+    return AcceptanceComparison(
+        "agreeing_prompts", engine_subset, simulator_subset, True, divergent, divergent, near_ties
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Export check and verdict
+
+
+def exported_layer_id_mismatch(engine: Engine, drafter_dir: Path) -> str | None:
+    """A reason when the ids the engine will read from the drafter's config are not, in draftloop's
+    convention, the ids the drafter was trained on (its `draftloop` block); None when they agree or
+    the folder carries no training record (a published drafter)."""
+    config = read_json(Path(drafter_dir) / "config.json")
+    trained = stored_layer_ids(config)
+    served = engine.drafter_layer_ids(drafter_dir)
+    if trained is None or served is None:
+        return None
+    if served.as_input() == trained.as_input():
+        return None
+    return (
+        f"the drafter's config makes {engine.kind} capture layers {list(served.ids)} ({served.convention}) "
+        f"= layer_input {list(served.as_input())}, but it was trained on layer_input "
+        f"{list(trained.as_input())} (layer-id convention mix-up at export?)"
+    )
+
+
+def decide_verdict(
+    *,
+    engine_rate: float | None,
+    simulator_rate: float | None,
+    tolerance: float,
+    lossless: bool,
+    mean_acceptance_length: float | None,
+    min_acceptance_length: float | None,
+    layer_id_mismatch: str | None = None,
+    numeric_mode_mismatch: str | None = None,
+    comparable: bool = True,
+) -> tuple[str, list[str]]:
+    """integration_fault before the excused gaps (numeric_mode_mismatch, inconclusive) before weak_drafter.
+
+    `engine_rate` / `simulator_rate`: acceptance on the same text (compare_acceptance); `comparable`
+    False when they were measured on different texts.
+    """
+    faults: list[str] = []
+    if layer_id_mismatch:
+        faults.append(layer_id_mismatch)
+    if engine_rate is None:
+        faults.append("the speculative server reported no drafts (speculation not running)")
+    if not lossless:
+        faults.append("greedy outputs of the speculative server differ from the baseline's")
+    excused: tuple[str, str] | None = None
+    if (
+        engine_rate is not None
+        and simulator_rate is not None
+        and abs(engine_rate - simulator_rate) > tolerance
+    ):
+        gap = (
+            f"engine acceptance rate {engine_rate:.3f} vs simulator {simulator_rate:.3f}: "
+            f"|difference| {abs(engine_rate - simulator_rate):.3f} > tolerance {tolerance:.3f}"
+        )
+        if numeric_mode_mismatch:
+            excused = (
+                VERDICT_MODE_MISMATCH,
+                f"{gap}, but the simulator could not run in the engine's numeric mode "
+                f"({numeric_mode_mismatch}): the gap does not measure the integration",
+            )
+        elif not comparable:
+            excused = (
+                VERDICT_INCONCLUSIVE,
+                f"{gap}, measured on different texts (the simulator's greedy output left the engine's, "
+                "and the engine returns neither its output token ids nor per-request counters)",
+            )
+        else:
+            faults.append(
+                f"{gap} on the same text (wrong aux layer ids / layer-id convention, drafter format or "
+                "attention type?)"
+            )
+    if faults:
+        return VERDICT_FAULT, faults
+    if excused is not None:
+        return excused[0], [excused[1]]
+    if (
+        min_acceptance_length is not None
+        and mean_acceptance_length is not None
+        and mean_acceptance_length < min_acceptance_length
+    ):
+        return VERDICT_WEAK, [
+            f"mean acceptance length {mean_acceptance_length:.2f} < required {min_acceptance_length:.2f} "
+            "(engine and simulator agree: the drafter itself is weak)"
+        ]
+    return VERDICT_OK, []

@@ -1,0 +1,108 @@
+"""Evaluation end to end on the fake engine (no vLLM): benchmark, report, plots, verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fake_engine import fake_engine
+from fixtures_engine import write_config
+
+from draftloop.infra.evaluation.benchmark import ServerRun
+from draftloop.infra.evaluation.run import evaluate
+from draftloop.infra.evaluation.simulator import SimulatorFigures
+from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
+
+
+@pytest.fixture(scope="module")
+def tokenizer_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A target folder with the zoo's tokenizer (the fake engine ignores the weights)."""
+    from draftloop.infra.zoo import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("fake-target")
+    build_tokenizer(0).save_pretrained(folder)
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    return folder
+
+
+def _sim(rate: float) -> SimulatorFigures:
+    return SimulatorFigures(
+        acceptance_rate=rate, mean_acceptance_length=1 + 3 * rate, per_position=[0.6, 0.4, 0.2],
+        num_drafts=10, capture_layer_ids=[1, 3, 5],
+    )  # fmt: skip
+
+
+def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
+    tmp_path: Path, tokenizer_target: Path
+) -> None:
+    # The fake engine reads layer_output ids: these are the layers the simulator captures (1, 3, 5).
+    drafter = write_config(
+        tmp_path / "drafter",
+        {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [0, 2, 4]},
+    )
+    prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
+    report = evaluate(
+        fake_engine("--token-delay", "0.002"), tokenizer_target, drafter, prompts, tmp_path / "eval",
+        max_tokens=8, concurrency=[1, 2], simulator=_sim(0.4), acceptance_tolerance=0.05,
+    )  # fmt: skip
+    assert report.lossless and report.mismatched_prompts == []
+    assert report.engine_acceptance is not None
+    assert report.engine_acceptance["acceptance_rate"] == pytest.approx(0.4)
+    assert report.engine_acceptance["per_position_acceptance"] == pytest.approx([0.6, 0.4, 0.2])
+    assert report.verdict == VERDICT_OK, report.reasons
+    assert set(report.speedup) == {1, 2} and all(v is not None and v > 0 for v in report.speedup.values())
+    level = report.baseline.levels[0]
+    assert level.output_tokens == 3 * 8 and level.ttft_mean_s is not None and level.tpot_mean_s is not None
+    saved = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
+    assert saved["verdict"] == VERDICT_OK and saved["engine_layer_ids"]["layer_input"] == [1, 3, 5]
+    for plot in report.plots:
+        assert Path(plot).read_bytes()[:4] == b"\x89PNG"
+
+    # Same servers (the baseline reread from the saved report), a simulator that predicts much more
+    # acceptance: the engine is not running the drafter as trained -> integration fault, not weak drafter.
+    baseline = ServerRun.from_json(saved["baseline"])
+    assert baseline == report.baseline
+    faulty = evaluate(
+        fake_engine(), tokenizer_target, drafter, prompts, tmp_path / "eval2",
+        max_tokens=4, concurrency=[1], simulator=_sim(0.7), baseline=baseline,
+    )  # fmt: skip
+    assert faulty.verdict == VERDICT_FAULT and faulty.acceptance_gap == pytest.approx(0.3)
+
+
+def test_evaluate_flags_lossy_speculation(tmp_path: Path, tokenizer_target: Path) -> None:
+    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
+    report = evaluate(
+        fake_engine("--perturb", "1"), tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
+        max_tokens=4, concurrency=[1], simulator=_sim(0.4),
+    )  # fmt: skip
+    assert not report.lossless and report.mismatched_prompts == [0, 1]
+    assert report.verdict == VERDICT_FAULT
+
+
+@pytest.mark.slow
+def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> None:
+    """The flow's path: each server hosted by an EngineServerActor (num_gpus from the config, 0 here)."""
+    import ray
+
+    from draftloop.infra.actors import ensure_ray
+    from draftloop.infra.engine_actors import server_starter
+
+    ensure_ray(num_cpus=2)
+    engine = fake_engine()
+    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
+    # The actor process must import the fake engine's module (tests/ is not a package).
+    tests_dir = str(Path(__file__).resolve().parent)
+    starter = server_starter(
+        engine, tokenizer_target, tmp_path / "eval", 3, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
+    )
+    report = evaluate(
+        engine, tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
+        max_tokens=4, concurrency=[1], simulator=_sim(0.4), start_server=starter,
+    )  # fmt: skip
+    assert report.verdict == VERDICT_OK, report.reasons
+    assert report.baseline.startup_s is not None and report.lossless
+    assert not list((tmp_path / "eval" / "engine-servers").glob("*.json"))  # both servers stopped
+    assert ray.is_initialized()
