@@ -234,9 +234,13 @@ def speculative_generate(
     capture_layer_ids: LayerIds,
     eos_token_ids: Iterable[int] = (),
     on_step: Callable[[StepRecord], None] | None = None,
+    follow: Sequence[int] | None = None,
 ) -> tuple[list[int], FinishReason, SpecCounters]:
     """Greedy chain speculative decoding of one prompt ([1, L] token ids); returns the output token ids
     (EOS included when hit), the finish reason and the counters of this prompt.
+
+    `follow`: a recorded output (an engine's) to replay: its tokens stand for the target's greedy
+    choices, so drafts are verified against that text and it ends where that output ended.
 
     Notation: position q of the sequence holds token t_q; the target's hidden state at q (aux layers
     fused by fc) predicts t_{q+1}. The drafter at position q sees (target hidden at q, token t_{q+1}) and
@@ -249,6 +253,8 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop_ids = frozenset(int(t) for t in eos_token_ids)
+    if follow is not None:
+        max_new_tokens = min(max_new_tokens, max(len(follow), 1))
     device = prompt_ids.device
     drafter_dtype = drafter.fc.weight.dtype
     counters = SpecCounters.empty(k)
@@ -257,7 +263,7 @@ def speculative_generate(
 
     # Prefill: the target reads the prompt (positions 0..L-1) and its argmax gives the first token.
     logits, aux_hidden = _target_forward(target, prompt_ids, capture_layer_ids, cache)
-    next_token = logits[:, -1:].argmax(dim=-1)  # [1, 1]
+    next_token = _followed(logits[:, -1:].argmax(dim=-1), follow, 0)  # [1, 1]
     output: list[int] = [int(next_token)]
     finished: FinishReason | None = None
     if _is_stop(output[-1], len(output), max_new_tokens, stop_ids):
@@ -304,7 +310,8 @@ def speculative_generate(
         logits, aux_hidden = _target_forward(
             target, torch.cat([next_token, draft_ids], dim=1), capture_layer_ids, cache
         )
-        target_choice = logits.argmax(dim=-1)  # [1, k+1]: target's greedy token after each input
+        # [1, k+1]: target's greedy token after each input (output positions len(output)..)
+        target_choice = _followed(logits.argmax(dim=-1), follow, len(output))
         # d_i is accepted iff the target picks it after [.., t_P, d_1..d_{i-1}] and all before it were.
         agree = (target_choice[0, :k] == draft_ids[0]).to(torch.int64)
         num_accepted = int(agree.cumprod(dim=0).sum())
@@ -330,6 +337,18 @@ def speculative_generate(
         next_token = bonus
 
     return output, finished, counters
+
+
+def _followed(choice: Tensor, follow: Sequence[int] | None, start: int) -> Tensor:
+    """`choice` ([1, T] greedy tokens for output positions start..start+T-1) with the positions `follow`
+    records replaced by its tokens; past its end the target's own choices stand (vLLM counts a step's
+    accepted drafts before its stop check truncates them)."""
+    known = list(follow[start : start + choice.shape[1]]) if follow is not None else []
+    if not known:
+        return choice
+    replaced = choice.clone()
+    replaced[0, : len(known)] = torch.tensor(known, dtype=choice.dtype, device=choice.device)
+    return replaced
 
 
 def _target_forward(
@@ -402,8 +421,11 @@ def simulate_acceptance(
     layer_ids: LayerIds | Sequence[int] | None = None,
     allow_layer_mismatch: bool = False,
     apply_chat_template: bool = True,
+    follow_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> SimulationReport:
     """Run greedy chain speculation over `prompts` (one at a time) and report vLLM's acceptance metrics.
+
+    `follow_token_ids`: per prompt, a recorded output to replay (see `speculative_generate`'s `follow`).
 
     `layer_ids`: the target layers to capture (layer_input convention); None = the ones the drafter was
     trained on. Others raise LayerIdMismatchError unless `allow_layer_mismatch`.
@@ -423,7 +445,9 @@ def simulate_acceptance(
     counters = SpecCounters.empty(k)
     results: list[PromptResult] = []
     elapsed = 0.0
-    for prompt in prompts:
+    if follow_token_ids is not None and len(follow_token_ids) != len(prompts):
+        raise SimulationInputError(f"{len(follow_token_ids)} outputs to follow for {len(prompts)} prompts")
+    for index, prompt in enumerate(prompts):
         prompt_ids = encode_prompt(tokenizer, prompt, apply_chat_template=apply_chat_template)
         started = time.perf_counter()
         output, finish_reason, local = speculative_generate(
@@ -434,6 +458,7 @@ def simulate_acceptance(
             max_new_tokens=max_new_tokens,
             capture_layer_ids=capture_ids,
             eos_token_ids=stop_ids,
+            follow=follow_token_ids[index] if follow_token_ids is not None else None,
         )
         counters += local
         elapsed += time.perf_counter() - started

@@ -8,15 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from draftloop.infra.evaluation.plots import plot_training_curves
 from draftloop.infra.tracking import (
     CHAMPION_ALIAS,
     CycleResults,
     Tracker,
     evaluate_gate,
     flatten_params,
-    plot_acceptance_per_position,
-    plot_throughput_vs_concurrency,
-    plot_training_curves,
     register_drafter,
 )
 
@@ -140,12 +138,6 @@ def test_metrics_params_and_plots(tracker: Tracker, tmp_path: Path) -> None:
         run.log_params(params)
         run.log_metric_history(history)
         run.log_artifact(plot_training_curves(history, tmp_path / "plots" / "training_curves.png"), "plots")
-        run.log_artifact(
-            plot_acceptance_per_position([0.6, 0.4], [0.62, 0.41], tmp_path / "p" / "a.png"), "plots"
-        )
-        run.log_artifact(
-            plot_throughput_vs_concurrency({1: 10, 4: 30}, {1: 12, 4: 33}, tmp_path / "t.png"), "plots"
-        )
         run_id = run.run_id
     client = tracker.client
     losses = client.get_metric_history(run_id, "loss")
@@ -153,5 +145,5 @@ def test_metrics_params_and_plots(tracker: Tracker, tmp_path: Path) -> None:
     assert len(client.get_metric_history(run_id, "acc_1")) == 4
     assert client.get_run(run_id).data.params["training.lr"] == "0.003"
     plots = {Path(item.path).name for item in client.list_artifacts(run_id, "plots")}
-    assert plots == {"training_curves.png", "a.png", "t.png"}
+    assert plots == {"training_curves.png"}
     assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 1000
