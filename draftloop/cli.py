@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from draftloop.commands import config_cmd, demo, engine, models, services, simulate
+from draftloop.commands import config_cmd, engine, models, run, services, simulate
 
 app = typer.Typer(
     name="draftloop",
@@ -22,7 +22,7 @@ def _root() -> None:
     """draftloop: synthesize -> extract -> train -> serve -> measure -> register, as one retryable run."""
 
 
-for _module in (models, config_cmd, simulate, engine, services, demo):
+for _module in (run, models, config_cmd, simulate, engine, services):
     _module.register(app)
 
 

@@ -8,13 +8,13 @@ small results; the driver (the Prefect task) logs and commits.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
+
+from draftloop.infra.conversations import SynthesisResult, split_reasoning
 
 # Ray 2.60 turns token auth on and writes ~/.ray/auth_token; a local, in-process cluster needs neither.
 _LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -23,7 +23,7 @@ _DEFAULT_RAY_TMPDIR = str(Path(tempfile.gettempdir()) / "draftloop-ray")
 
 _started_here = False
 # Called with no arguments right after this process starts a local Ray (the flow records its PIDs).
-RAY_START_CALLBACKS: list[Any] = []
+RAY_START_CALLBACKS: list[Callable[[], None]] = []
 
 
 def ray_environment(address: str | None) -> dict[str, str]:
@@ -111,16 +111,6 @@ def shutdown_ray() -> None:
     _started_here = False
 
 
-@contextmanager
-def ray_session(address: str | None = None) -> Iterator[bool]:
-    started = ensure_ray(address)
-    try:
-        yield started
-    finally:
-        if started:
-            shutdown_ray()
-
-
 def kill_actors(handles: Sequence[Any]) -> None:
     """Best-effort: stop actors we started (on success, failure and cancellation alike)."""
     import ray
@@ -137,28 +127,6 @@ def remote_options(num_gpus: float, num_cpus: float = 1) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------------
 # Synthesis: greedy answers from the Hugging Face target, in bounded batches.
-
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-
-
-def split_reasoning(text: str) -> tuple[str, str | None]:
-    """(content, reasoning): reasoning models wrap their thinking in <think>...</think>; keep it apart."""
-    found = _THINK.search(text)
-    if found is None:
-        if "</think>" in text:  # template opened <think> in the prompt; only the close is generated
-            reasoning, _, content = text.partition("</think>")
-            return content.strip(), reasoning.strip() or None
-        return text.strip(), None
-    reasoning = found.group(1).strip()
-    content = (text[: found.start()] + text[found.end() :]).strip()
-    return content, reasoning or None
-
-
-@dataclass
-class SynthesisResult:
-    conversations: list[dict[str, Any]]
-    rejected: list[dict[str, str]]
-    generated_tokens: int
 
 
 class TargetGenerator:
@@ -190,9 +158,7 @@ class TargetGenerator:
         """Answer `rows` ({"id", "prompt"}); rows that cannot be answered come back in `rejected`."""
         import torch
 
-        conversations: list[dict[str, Any]] = []
-        rejected: list[dict[str, str]] = []
-        generated = 0
+        result = SynthesisResult()
         usable: list[tuple[dict[str, str], str, int]] = []
         for row in rows:
             messages = [{"role": "user", "content": row["prompt"]}]
@@ -201,15 +167,12 @@ class TargetGenerator:
                     messages, add_generation_prompt=True, tokenize=False
                 )
             except Exception as error:  # a template that refuses the message (e.g. roles)
-                rejected.append({"id": row["id"], "reason": f"chat template failed: {error}"})
+                result.reject(row["id"], f"chat template failed: {error}")
                 continue
             prompt_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             if prompt_tokens >= max_length - 1:
-                rejected.append(
-                    {
-                        "id": row["id"],
-                        "reason": f"prompt has {prompt_tokens} tokens, data.max_length is {max_length}",
-                    }
+                result.reject(
+                    row["id"], f"prompt has {prompt_tokens} tokens, data.max_length is {max_length}"
                 )
                 continue
             usable.append((row, str(text), prompt_tokens))
@@ -232,9 +195,8 @@ class TargetGenerator:
                         **sampling,
                     )
             except Exception as error:
-                rejected.extend(
-                    {"id": row["id"], "reason": f"generation failed: {error}"} for row, _, _ in batch
-                )
+                for row, _, _ in batch:
+                    result.reject(row["id"], f"generation failed: {error}")
                 continue
             new_tokens = output[:, encoded["input_ids"].shape[1] :]
             for (row, _, _), ids in zip(batch, new_tokens.tolist(), strict=True):
@@ -243,23 +205,10 @@ class TargetGenerator:
                     if token in eos_ids:
                         break
                     kept.append(token)
-                generated += len(kept)
+                result.generated_tokens += len(kept)
                 answer = str(self.tokenizer.decode(kept, skip_special_tokens=True))
-                content, reasoning = split_reasoning(answer)
-                if not content:
-                    rejected.append({"id": row["id"], "reason": "empty answer"})
-                    continue
-                conversations.append(
-                    {
-                        "id": row["id"],
-                        "messages": [
-                            {"role": "user", "content": row["prompt"]},
-                            {"role": "assistant", "content": content},
-                        ],
-                        "reasoning": reasoning,
-                    }
-                )
-        return SynthesisResult(conversations, rejected, generated)
+                result.add_answer(row, *split_reasoning(answer))
+        return result
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

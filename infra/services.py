@@ -7,10 +7,8 @@ idempotent: services whose recorded PID is alive are left alone. `down` stops ex
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from draftloop.infra.processes import is_alive, state_dir, stop_processes
 
 WORK_POOL = "draftloop"
 SERVICE_NAMES = ("prefect-server", "mlflow", "prefect-worker")
@@ -30,12 +30,6 @@ class Service:
     pid: int
     url: str | None
     log: str
-
-
-def state_dir(root: Path | None = None) -> Path:
-    """`<root>/.draftloop`, or DRAFTLOOP_STATE_DIR (tests keep their services out of the checkout)."""
-    override = os.environ.get("DRAFTLOOP_STATE_DIR")
-    return Path(override).resolve() if override else (root or Path.cwd()).resolve() / ".draftloop"
 
 
 def services_dir(root: Path | None = None) -> Path:
@@ -59,20 +53,6 @@ def port_or_free(preferred: int | None) -> int:
                 return free_port()
             return preferred
     return free_port()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still answers kill(0); look at its state.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return True
 
 
 def read_services(root: Path | None = None) -> dict[str, Service]:
@@ -136,7 +116,7 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], root: Path | None, u
 def _wait_http(url: str, service: Service, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(service.pid):
+        if not is_alive(service.pid):
             tail = Path(service.log).read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{service.name} exited during start-up; log tail:\n{tail}")
         try:
@@ -174,7 +154,7 @@ def up(
     deploy: bool = True,
 ) -> dict[str, Service]:
     """Start the Prefect server, create the pool, deploy prefect.yaml, start a worker and MLflow's UI."""
-    running = {name: svc for name, svc in read_services(root).items() if _alive(svc.pid)}
+    running = {name: svc for name, svc in read_services(root).items() if is_alive(svc.pid)}
     env = base_env(root)
     services: dict[str, Service] = dict(running)
     try:
@@ -244,29 +224,6 @@ def up(
     return services
 
 
-def _stop_group(pid: int, grace_s: float) -> None:
-    try:
-        group = os.getpgid(pid)
-    except ProcessLookupError:
-        return
-    for sig in (signal.SIGTERM, signal.SIGTERM):  # a Prefect worker may ignore the first SIGTERM
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if not _alive(pid):
-                break
-            time.sleep(0.2)
-        if not _alive(pid):
-            break
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):  # reap it if it is our child (tests start services)
-        os.waitpid(pid, os.WNOHANG)
-
-
 def down(root: Path | None = None, grace_s: float = 10) -> list[str]:
     """Stop every recorded service (worker first, so it takes no new run) and forget it."""
     stopped: list[str] = []
@@ -276,8 +233,9 @@ def down(root: Path | None = None, grace_s: float = 10) -> list[str]:
         if not record.exists():
             continue
         service = Service(**json.loads(record.read_text()))
-        if _alive(service.pid):
-            _stop_group(service.pid, grace_s)
+        if is_alive(service.pid):
+            # A Prefect worker may ignore the first SIGTERM.
+            stop_processes([service.pid], grace_s, term_attempts=2)
             stopped.append(name)
         record.unlink(missing_ok=True)
         (folder / f"{name}.pid").unlink(missing_ok=True)

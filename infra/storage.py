@@ -416,6 +416,16 @@ def iter_shards(
         yield info, read_shard(manifest, info.name, options)
 
 
+def download_shards(
+    manifest: Manifest, into: Path, names: Iterable[str], options: StorageOptions | None = None
+) -> Path:
+    """Write the listed shards `names` of `manifest` as files of the local folder `into` (checked)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (into / name).write_bytes(read_shard(manifest, name, options))
+    return into
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompts
 

@@ -26,6 +26,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
+from draftloop.infra.config import ExperimentConfig, GateConfig
+
 CHAMPION_ALIAS = "champion"
 # MLflow caps a param value at 6000 characters; long lists (extra_args) are truncated, not refused.
 _PARAM_VALUE_LIMIT = 6000
@@ -62,12 +64,6 @@ def experiment_artifact_location(tracking_uri: str, artifact_root: str) -> str |
     if tracking_uri.startswith(("http://", "https://")) and "://" not in artifact_root:
         return None
     return resolve_artifact_root(artifact_root)
-
-
-def registered_model_name(config: Any) -> str:
-    """`tracking.registered_model`, or `drafter-<config.name>` when unset."""
-    name: str | None = config.tracking.registered_model
-    return name or f"drafter-{config.name}"
 
 
 def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -178,7 +174,7 @@ class Tracker:
         self.parent_run_id: str | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> Tracker:
+    def from_config(cls, config: ExperimentConfig) -> Tracker:
         return cls(config.tracking.mlflow_uri, config.tracking.artifact_root, config.tracking.experiment)
 
     # -- parent run ---------------------------------------------------------------------------------------
@@ -190,10 +186,6 @@ class Tracker:
         handle = StageRun(self.client, run.info.run_id, "cycle")
         handle.log_params(params)
         return handle
-
-    def attach_cycle(self, run_id: str) -> StageRun:
-        self.parent_run_id = run_id
-        return StageRun(self.client, run_id, "cycle")
 
     def end_cycle(self, status: str = "FINISHED", error: str | None = None) -> None:
         if self.parent_run_id is None:
@@ -292,7 +284,7 @@ class GateDecision:
         return {"passed": self.passed, "reasons": self.reasons, "notes": self.notes}
 
 
-def evaluate_gate(gate: Any, results: CycleResults, champion_length: float | None) -> GateDecision:
+def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: float | None) -> GateDecision:
     """Apply `evaluation.gate` to a cycle's results.
 
     `min_speedup` is checked at concurrency 1 (a single stream is where speculation must pay);
@@ -401,7 +393,7 @@ def register_drafter(
     tracker: Tracker,
     run: StageRun,
     name: str,
-    gate_config: Any,
+    gate_config: GateConfig,
     results: CycleResults,
     tags: Mapping[str, Any],
     artifact_dir: str = "drafter",
@@ -451,85 +443,3 @@ def register_drafter(
         gate=decision,
         previous_champion=previous_version,
     )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Plots (matplotlib, headless)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_training_curves(history: list[Mapping[str, float]], path: str | Path) -> Path:
-    """Loss and per-position accuracy per step -> PNG."""
-    plt = _pyplot()
-    steps = [row.get("step", index) for index, row in enumerate(history)]
-    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    loss_axis.plot(steps, [row.get("loss", float("nan")) for row in history])
-    loss_axis.set_xlabel("step")
-    loss_axis.set_ylabel("TTT loss")
-    loss_axis.set_title("training loss")
-    accuracy_keys = sorted(
-        (key for key in (history[0] if history else {}) if key.startswith("acc_")),
-        key=lambda key: int(key.split("_")[-1]) if key.split("_")[-1].isdigit() else 0,
-    )
-    for key in accuracy_keys:
-        accuracy_axis.plot(steps, [row.get(key, float("nan")) for row in history], label=key)
-    accuracy_axis.set_xlabel("step")
-    accuracy_axis.set_ylabel("accuracy")
-    accuracy_axis.set_title("per-position accuracy")
-    if accuracy_keys:
-        accuracy_axis.legend(fontsize="small")
-    figure.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    plt.close(figure)
-    return out
-
-
-def plot_acceptance_per_position(
-    engine: list[float], simulator: list[float] | None, path: str | Path
-) -> Path:
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(5, 4))
-    positions = list(range(len(engine)))
-    axis.plot(positions, engine, marker="o", label="engine")
-    if simulator:
-        axis.plot(list(range(len(simulator))), simulator, marker="x", label="simulator")
-    axis.set_xlabel("draft position")
-    axis.set_ylabel("acceptance rate")
-    axis.set_ylim(0, 1.05)
-    axis.legend()
-    figure.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    plt.close(figure)
-    return out
-
-
-def plot_throughput_vs_concurrency(
-    baseline: Mapping[int, float], speculative: Mapping[int, float], path: str | Path
-) -> Path:
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(5, 4))
-    for label, series in (("baseline", baseline), ("EAGLE-3", speculative)):
-        levels = sorted(series)
-        axis.plot(levels, [series[level] for level in levels], marker="o", label=label)
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("concurrency")
-    axis.set_ylabel("output tokens/s")
-    axis.legend()
-    figure.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    plt.close(figure)
-    return out

@@ -1,131 +1,40 @@
 """Stage 4, deploy + evaluate: serve the drafter in the engine, measure it against no speculation.
 
-Each engine server (baseline, then speculative) runs inside a Ray actor (`EngineServerActor`, with the
-engine section's GPU request); infra/evaluate.py benchmarks both over HTTP on the held-out prompts,
+Each engine server (baseline, then speculative) runs inside a Ray actor (infra/engine_actors.py, with
+the engine section's GPU request); infra/evaluation benchmarks both over HTTP on the held-out prompts,
 differences the engine's speculative counters, and runs the simulator on the same prompts. The stage
 stores the EvalReport JSON and its plots; MLflow gets the figures, the plots and the engine logs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftloop.tasks._stage import (
-    StageOutcome,
-    StageWork,
-    local_state_dir,
-    run_cached,
-    storage_options,
-)
+from prefect import task
+
+from draftloop.infra.actors import ensure_ray
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.conversations import read_eval_prompts
+from draftloop.infra.engine_actors import server_starter
+from draftloop.infra.engines.base import get_engine
+from draftloop.infra.evaluation.run import evaluate_from_config
+from draftloop.infra.processes import PidRecord, state_dir
+from draftloop.infra.storage import DatasetWriter, Manifest, download_shards, storage_options
+from draftloop.infra.targets import ensure_target
+from draftloop.infra.tracking import CycleResults, StageRun
+from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
+from draftloop.tasks.cycle import CycleContext, execute_stage
+from draftloop.tasks.retry import stage_task_options
 
 SECTIONS = ("target", "engine", "evaluation")
 REPORT_SHARD = "eval_report.json"
 
 
-@dataclass
-class ServerProxy:
-    """What infra.evaluate needs of a server (its ServerHandle protocol), backed by a Ray actor."""
-
-    actor: Any
-    base_url: str
-    startup_s: float | None
-    log_path: Path
-    model_name: str = "target"
-
-    def metrics_text(self) -> str:
-        import ray
-
-        text: str = ray.get(self.actor.metrics_text.remote())
-        return text
-
-    def smoke_test(self) -> Any:
-        import ray
-
-        from draftloop.infra.engines.server import SmokeResult
-
-        result = ray.get(self.actor.smoke_test.remote())
-        if not isinstance(result, dict):  # the actor answers a SmokeResult
-            return result
-        return SmokeResult(
-            content=result["content"], reasoning=result["reasoning"], latency_s=result["latency_s"]
-        )
-
-    def stop(self) -> None:
-        import ray
-
-        from draftloop.infra.actors import kill_actors
-
-        with contextlib.suppress(Exception):
-            ray.get(self.actor.stop.remote(), timeout=60)
-        kill_actors([self.actor])
-
-
-def _engine(config: Any) -> Any:
-    from draftloop.infra.engines.base import EngineSettings, get_engine
-
-    return get_engine(str(config.engine.kind), EngineSettings.from_config(config.engine))
-
-
-def _record_server_pid(run_dir: Path, name: str, cleanup: Any) -> None:
-    """Remember the server's process group so cancellation hooks can stop it if this process dies."""
-    from draftloop.infra.engines.server import PIDFILE_DIR_NAME
-
-    record = run_dir / PIDFILE_DIR_NAME / f"{name}.json"
-    if cleanup is not None and record.exists():
-        cleanup.record_pids(f"engine-{name}", [int(json.loads(record.read_text())["pid"])])
-
-
-def start_server_actor(
-    config: Any, target_path: str, run_dir: Path, name: str, drafter_dir: str | None, cleanup: Any = None
-) -> ServerProxy:
-    """Start one engine server in a Ray actor and wait until it is ready."""
-    import ray
-
-    from draftloop.infra.actors import ensure_ray, kill_actors
-    from draftloop.infra.engines.server import EngineServerActor, clean_stale_servers
-
-    ensure_ray(config.ray.address)
-    engine = _engine(config)
-    clean_stale_servers(run_dir)  # a previous attempt killed mid-way may have left one behind
-    actor = EngineServerActor.options_for(engine.settings).remote(
-        engine,
-        str(target_path),
-        str(run_dir),
-        name=name,
-        drafter_dir=drafter_dir,
-        num_speculative_tokens=int(config.engine.num_speculative_tokens) if drafter_dir else None,
-    )
-    try:
-        info = ray.get(actor.start.remote())
-    except BaseException as error:
-        kill_actors([actor])
-        cause = getattr(error, "cause", None) or error  # RayTaskError wraps the actor's exception
-        if isinstance(cause, Exception) and cause is not error:
-            raise cause from error
-        raise
-    _record_server_pid(run_dir, name, cleanup)
-    return ServerProxy(
-        actor=actor, base_url=info["url"], startup_s=info["startup_s"], log_path=Path(info["log_path"])
-    )
-
-
-def start_engine(config: Any, target_path: str, drafter_dir: str | None, cleanup: Any = None) -> ServerProxy:
-    """A baseline server for synthesis (synthesis.backend = engine)."""
-    run_dir = local_state_dir() / "work" / str(config.name) / "synthesize-engine"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return start_server_actor(config, target_path, run_dir, "synthesis", drafter_dir, cleanup)
-
-
 def results_from_report(report: dict[str, Any]) -> dict[str, Any]:
     """EvalReport JSON -> the CycleResults the gate, the registry and summary.json use."""
-    from draftloop.infra.tracking import CycleResults
-
     acceptance = report.get("engine_acceptance") or {}
     simulator = report.get("simulator") or {}
     gap = report.get("acceptance_gap")
@@ -173,52 +82,33 @@ def _level_metrics(report: dict[str, Any]) -> dict[str, float]:
 
 
 def run(
-    config: Any,
+    config: ExperimentConfig,
     conversations: StageOutcome,
     drafter: StageOutcome,
-    stage_run: Any = None,
-    cleanup: Any = None,
-    on_start: Any = None,
+    stage_run: StageRun | None = None,
+    pids: PidRecord | None = None,
+    on_start: OnStart | None = None,
 ) -> StageOutcome:
     """Deploy the drafter of `drafter` and evaluate it on the held-out prompts of `conversations`."""
 
-    def body(work: StageWork) -> Any:
-        from draftloop.infra.evaluate import evaluate_from_config
-        from draftloop.infra.storage import DatasetWriter
-        from draftloop.tasks.synthesize import ensure_target, read_eval_prompts
-        from draftloop.tasks.train import download_drafter
-
+    def body(work: StageWork) -> Manifest:
         options = storage_options(config)
         target_path = ensure_target(config)
-        run_dir = local_state_dir() / "work" / str(config.name) / "evaluate" / work.key
+        run_dir = state_dir() / "work" / str(config.name) / "evaluate" / work.key
         shutil.rmtree(run_dir / "plots", ignore_errors=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        drafter_dir = download_drafter(drafter.manifest, run_dir / "drafter", options)
+        drafter_dir = download_shards(
+            drafter.manifest, run_dir / "drafter", drafter.manifest.summary["drafter_files"], options
+        )
         prompts = [row["prompt"] for row in read_eval_prompts(conversations.manifest, options)]
-        servers: list[ServerProxy] = []
-
-        @contextlib.contextmanager
-        def start_server(name: str, folder: Path | None) -> Iterator[ServerProxy]:
-            server = start_server_actor(
-                config, target_path, run_dir, name, str(folder) if folder else None, cleanup
-            )
-            servers.append(server)
-            try:
-                yield server
-            finally:
-                server.stop()
-                if cleanup is not None:
-                    cleanup.forget_pids(f"engine-{name}")
-
+        engine = get_engine(config.engine.kind, config.engine.settings())
+        ensure_ray(config.ray.address)
+        start_server = server_starter(
+            engine, target_path, run_dir, int(config.engine.num_speculative_tokens), pids
+        )
         try:
             report = evaluate_from_config(
-                config,
-                _engine(config),
-                Path(target_path),
-                drafter_dir,
-                prompts,
-                run_dir,
-                start_server=start_server,
+                config, engine, Path(target_path), drafter_dir, prompts, run_dir, start_server=start_server
             )
         finally:
             if stage_run is not None:  # engine logs, also (above all) when the evaluation failed
@@ -253,21 +143,10 @@ def run(
     return run_cached("evaluate", config, SECTIONS, upstream, body, on_start=on_start)
 
 
-def _task(ctx: Any, conversations: StageOutcome, drafter: StageOutcome) -> StageOutcome:
-    from draftloop.tasks._stage import execute_stage
-
+@task(name="evaluate", **stage_task_options())
+def evaluate_stage(ctx: CycleContext, conversations: StageOutcome, drafter: StageOutcome) -> StageOutcome:
     return execute_stage(
         ctx,
         "evaluate",
-        lambda stage_run, on_start: run(
-            ctx.config, conversations, drafter, stage_run=stage_run, cleanup=ctx, on_start=on_start
-        ),
+        lambda stage_run, on_start: run(ctx.config, conversations, drafter, stage_run, ctx.pids, on_start),
     )
-
-
-def evaluate_task() -> Any:
-    from prefect import task
-
-    from draftloop.tasks._stage import task_options
-
-    return task(name="evaluate", **task_options())(_task)

@@ -14,7 +14,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from draftloop.tasks._stage import StageError, StageOutcome, StageWork, run_cached, storage_options
+import ray
+from prefect import task
+
+from draftloop.infra.actors import ensure_ray, kill_actors, remote_hidden_state_extractor
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.conversations import read_conversations
+from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
+from draftloop.infra.targets import ensure_target
+from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
+from draftloop.tasks.cycle import CycleContext, execute_stage
+from draftloop.tasks.retry import stage_task_options
 
 SECTIONS = ("target", "data", "extraction")
 
@@ -24,19 +34,15 @@ def _slices(count: int, parts: int) -> list[tuple[int, int]]:
     return [(start, min(count, start + size)) for start in range(0, count, size)]
 
 
-def run(config: Any, conversations: StageOutcome, on_start: Any = None) -> StageOutcome:
+def run(
+    config: ExperimentConfig, conversations: StageOutcome, on_start: OnStart | None = None
+) -> StageOutcome:
     """Extract hidden states for the conversations of `conversations` (cached on its manifest hash)."""
 
-    def body(work: StageWork) -> Any:
-        import ray
-
-        from draftloop.infra.actors import ensure_ray, kill_actors, remote_hidden_state_extractor
-        from draftloop.infra.storage import DatasetWriter
-        from draftloop.tasks.synthesize import ensure_target, read_conversations
-
+    def body(work: StageWork) -> Manifest:
         ensure_ray(config.ray.address)
-
-        rows = read_conversations(conversations.manifest, storage_options(config))
+        options = storage_options(config)
+        rows = read_conversations(conversations.manifest, options)
         if not rows:
             raise StageError("extract", f"no conversations in {conversations.uri}")
         target_path = ensure_target(config)
@@ -56,10 +62,10 @@ def run(config: Any, conversations: StageOutcome, on_start: Any = None) -> Stage
                 )
                 for index, (start, end) in enumerate(slices)
             ]
-            results = ray.get(futures)
+            results: list[dict[str, Any]] = ray.get(futures)
         finally:
             kill_actors(actors)
-        writer = DatasetWriter(work.uri, storage_options=storage_options(config))
+        writer = DatasetWriter(work.uri, storage_options=options)
         tokens = 0
         skipped: list[dict[str, str]] = []
         samples = 0
@@ -91,17 +97,6 @@ def run(config: Any, conversations: StageOutcome, on_start: Any = None) -> Stage
     )
 
 
-def _task(ctx: Any, conversations: StageOutcome) -> StageOutcome:
-    from draftloop.tasks._stage import execute_stage
-
-    return execute_stage(
-        ctx, "extract", lambda _run, on_start: run(ctx.config, conversations, on_start=on_start)
-    )
-
-
-def extract_task() -> Any:
-    from prefect import task
-
-    from draftloop.tasks._stage import task_options
-
-    return task(name="extract", **task_options())(_task)
+@task(name="extract", **stage_task_options())
+def extract_stage(ctx: CycleContext, conversations: StageOutcome) -> StageOutcome:
+    return execute_stage(ctx, "extract", lambda _run, on_start: run(ctx.config, conversations, on_start))

@@ -5,35 +5,43 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from draftloop.tasks._stage import StageOutcome, StageWork, run_cached, storage_options
+from prefect import task
 
-# config.name is part of the stage folder already (see _stage.stage_uri).
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.storage import DatasetWriter, Manifest, download_shards, storage_options
+from draftloop.infra.tracking import CycleResults, StageRun, Tracker, register_drafter
+from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
+from draftloop.tasks.cycle import CycleContext, execute_stage
+from draftloop.tasks.retry import stage_task_options
+
+# config.name is part of the stage folder already (tasks/cache.py stage_uri).
 SECTIONS = ("tracking", "evaluation")
 REGISTRATION_SHARD = "registration.json"
 
 
 def run(
-    config: Any,
-    tracker: Any,
-    stage_run: Any,
+    config: ExperimentConfig,
+    tracker: Tracker,
+    stage_run: StageRun,
     conversations: StageOutcome,
     hidden: StageOutcome,
     drafter: StageOutcome,
     evaluation: StageOutcome,
-    on_start: Any = None,
+    on_start: OnStart | None = None,
 ) -> StageOutcome:
     """Register the drafter of `drafter` with the results of `evaluation` (cached: one version per input)."""
-    from draftloop.infra.tracking import CycleResults, register_drafter, registered_model_name
-    from draftloop.tasks.train import download_drafter
 
-    def body(work: StageWork) -> Any:
-        from draftloop.infra.storage import DatasetWriter
-
+    def body(work: StageWork) -> Manifest:
+        options = storage_options(config)
         results = CycleResults.from_dict(evaluation.manifest.summary["results"])
         with tempfile.TemporaryDirectory(prefix="draftloop-register-") as scratch:
-            folder = download_drafter(drafter.manifest, Path(scratch) / "drafter", storage_options(config))
+            folder = download_shards(
+                drafter.manifest,
+                Path(scratch) / "drafter",
+                drafter.manifest.summary["drafter_files"],
+                options,
+            )
             stage_run.log_artifact(folder, "drafter")
         train_summary = drafter.manifest.summary
         tags = {
@@ -51,12 +59,12 @@ def run(
         registration = register_drafter(
             tracker,
             stage_run,
-            registered_model_name(config),
+            config.registered_model_name,
             config.evaluation.gate,
             results,
             tags,
         )
-        writer = DatasetWriter(work.uri, storage_options=storage_options(config))
+        writer = DatasetWriter(work.uri, storage_options=options)
         payload = registration.to_dict()
         writer.write_shard(REGISTRATION_SHARD, json.dumps(payload, indent=2).encode(), rows=1)
         return writer.commit("register", inputs=work.inputs, summary=payload)
@@ -69,27 +77,18 @@ def run(
     return run_cached("register", config, SECTIONS, upstream, body, on_start=on_start)
 
 
-def _task(
-    ctx: Any,
+@task(name="register", **stage_task_options(retries=1))
+def register_stage(
+    ctx: CycleContext,
     conversations: StageOutcome,
     hidden: StageOutcome,
     drafter: StageOutcome,
     evaluation: StageOutcome,
 ) -> StageOutcome:
-    from draftloop.tasks._stage import execute_stage
-
     return execute_stage(
         ctx,
         "register",
         lambda stage_run, on_start: run(
-            ctx.config, ctx.tracker, stage_run, conversations, hidden, drafter, evaluation, on_start=on_start
+            ctx.config, ctx.tracker, stage_run, conversations, hidden, drafter, evaluation, on_start
         ),
     )
-
-
-def register_task() -> Any:
-    from prefect import task
-
-    from draftloop.tasks._stage import task_options
-
-    return task(name="register", **task_options(retries=1))(_task)

@@ -9,46 +9,38 @@ answer. Rows that cannot be answered go to `rejected.jsonl` with a reason and ar
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
-from typing import Any
 
-from draftloop.tasks._stage import StageError, StageOutcome, StageWork, run_cached, storage_options
+import httpx
+import ray
+from prefect import task
+
+from draftloop.infra.actors import ensure_ray, kill_actors, remote_target_generator
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.conversations import (
+    CONVERSATIONS_SHARD_PREFIX,
+    EVAL_PROMPTS_SHARD,
+    REJECTED_SHARD,
+    SynthesisResult,
+    split_reasoning,
+    to_jsonl,
+)
+from draftloop.infra.engine_actors import start_server_actor
+from draftloop.infra.engines.base import get_engine
+from draftloop.infra.processes import PidRecord, state_dir
+from draftloop.infra.storage import DatasetWriter, Manifest, load_prompts, storage_options
+from draftloop.infra.targets import ensure_target
+from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
+from draftloop.tasks.cycle import CycleContext, execute_stage
+from draftloop.tasks.retry import stage_task_options
 
 SECTIONS = ("target", "data", "synthesis")
 ROWS_PER_SHARD = 1024
-EVAL_PROMPTS_SHARD = "eval_prompts.jsonl"
-REJECTED_SHARD = "rejected.jsonl"
+
+PromptRow = dict[str, str]  # {"id", "prompt"}
 
 
-def ensure_target(config: Any) -> str:
-    """The target's local folder; built from the zoo recipe (`target.create`) when missing."""
-    path = Path(str(config.target.path))
-    if (path / "config.json").exists():
-        return str(path)
-    recipe = getattr(config.target, "create", None)
-    if not recipe:
-        raise StageError("synthesize", f"target.path {path} has no config.json and target.create is not set")
-    from draftloop.infra.zoo import create_tiny_model
-
-    create_tiny_model(recipe, path, seed=config.target.seed)
-    return str(path)
-
-
-def load_prompts(config: Any) -> list[dict[str, str]]:
-    """Prompt rows {"id", "prompt"} from the built-in set or a JSONL path/URI (infra.storage)."""
-    from draftloop.infra.storage import load_prompts as load
-
-    return [
-        {"id": row.id, "prompt": row.prompt}
-        for row in load(str(config.data.prompts), storage_options(config))
-    ]
-
-
-def split_prompts(
-    config: Any, rows: list[dict[str, str]]
-) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def split_prompts(config: ExperimentConfig, rows: list[PromptRow]) -> tuple[list[PromptRow], list[PromptRow]]:
     """(training prompts, held-out eval prompts): the eval prompts are the last `data.eval_prompts` rows."""
     held_out = int(config.data.eval_prompts)
     if held_out >= len(rows):
@@ -60,20 +52,14 @@ def split_prompts(
     return train_rows, eval_rows
 
 
-def _jsonl(rows: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
-
-
-def _generate_in_process(config: Any, target_path: str, prompts: list[dict[str, str]]) -> Any:
-    import ray
-
-    from draftloop.infra.actors import ensure_ray, kill_actors, remote_target_generator
-
+def _generate_in_process(
+    config: ExperimentConfig, target_path: str, prompts: list[PromptRow]
+) -> SynthesisResult:
     ensure_ray(config.ray.address)
     actor_class = remote_target_generator(float(config.synthesis.num_gpus))
-    actor = actor_class.remote(target_path, dtype=str(getattr(config.extraction, "dtype", "float32")))
+    actor = actor_class.remote(target_path, dtype=str(config.extraction.dtype))
     try:
-        return ray.get(
+        result: SynthesisResult = ray.get(
             actor.generate.remote(
                 prompts,
                 max_new_tokens=int(config.synthesis.max_new_tokens),
@@ -82,6 +68,7 @@ def _generate_in_process(config: Any, target_path: str, prompts: list[dict[str, 
                 batch_size=int(config.synthesis.concurrency),
             )
         )
+        return result
     finally:
         kill_actors([actor])
 
@@ -89,22 +76,15 @@ def _generate_in_process(config: Any, target_path: str, prompts: list[dict[str, 
 async def _ask_all(
     base_url: str,
     model: str,
-    prompts: list[dict[str, str]],
+    prompts: list[PromptRow],
     max_tokens: int,
     temperature: float,
     concurrency: int,
-) -> Any:
-    import httpx
-
-    from draftloop.infra.actors import SynthesisResult, split_reasoning
-
+) -> SynthesisResult:
     limit = asyncio.Semaphore(max(1, concurrency))
-    conversations: list[dict[str, Any]] = []
-    rejected: list[dict[str, str]] = []
-    generated = 0
+    result = SynthesisResult()
 
-    async def ask(client: httpx.AsyncClient, row: dict[str, str]) -> None:
-        nonlocal generated
+    async def ask(client: httpx.AsyncClient, row: PromptRow) -> None:
         async with limit:
             try:
                 response = await client.post(
@@ -119,38 +99,30 @@ async def _ask_all(
                 response.raise_for_status()
                 body = response.json()
             except Exception as error:
-                rejected.append({"id": row["id"], "reason": f"request failed: {error}"})
+                result.reject(row["id"], f"request failed: {error}")
                 return
         message = body["choices"][0]["message"]
         content, reasoning = split_reasoning(message.get("content") or "")
         reasoning = message.get("reasoning_content") or message.get("reasoning") or reasoning
-        generated += int(body.get("usage", {}).get("completion_tokens", 0))
-        if not content:
-            rejected.append({"id": row["id"], "reason": "empty answer"})
-            return
-        conversations.append(
-            {
-                "id": row["id"],
-                "messages": [
-                    {"role": "user", "content": row["prompt"]},
-                    {"role": "assistant", "content": content},
-                ],
-                "reasoning": reasoning,
-            }
-        )
+        result.generated_tokens += int(body.get("usage", {}).get("completion_tokens", 0))
+        result.add_answer(row, content, reasoning)
 
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(ask(client, row) for row in prompts))
     order = {row["id"]: index for index, row in enumerate(prompts)}
-    conversations.sort(key=lambda row: order[row["id"]])
-    return SynthesisResult(conversations, rejected, generated)
+    result.conversations.sort(key=lambda row: order[row["id"]])
+    return result
 
 
-def _generate_with_engine(config: Any, target_path: str, prompts: list[dict[str, str]], cleanup: Any) -> Any:
-    """Start the engine (no speculation), ask it over HTTP, stop it."""
-    from draftloop.tasks.evaluate import start_engine
-
-    server = start_engine(config, target_path, drafter_dir=None, cleanup=cleanup)
+def _generate_with_engine(
+    config: ExperimentConfig, target_path: str, prompts: list[PromptRow], pids: PidRecord | None
+) -> SynthesisResult:
+    """Start the engine (no speculation) in a Ray actor, ask it over HTTP, stop it."""
+    ensure_ray(config.ray.address)
+    run_dir = state_dir() / "work" / str(config.name) / "synthesize-engine"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    engine = get_engine(config.engine.kind, config.engine.settings())
+    server = start_server_actor(engine, target_path, run_dir, "synthesis", pids=pids)
     try:
         return asyncio.run(
             _ask_all(
@@ -164,33 +136,41 @@ def _generate_with_engine(config: Any, target_path: str, prompts: list[dict[str,
         )
     finally:
         server.stop()
+        if pids is not None:
+            pids.forget("engine-synthesis")
 
 
-def run(config: Any, cleanup: Any = None, on_start: Any = None) -> StageOutcome:
+def run(
+    config: ExperimentConfig, pids: PidRecord | None = None, on_start: OnStart | None = None
+) -> StageOutcome:
     """Synthesize conversations (cached on target + data + synthesis sections)."""
 
-    def body(work: StageWork) -> Any:
-        from draftloop.infra.storage import DatasetWriter
-
+    def body(work: StageWork) -> Manifest:
+        options = storage_options(config)
         target_path = ensure_target(config)
-        train_prompts, eval_prompts = split_prompts(config, load_prompts(config))
+        prompt_rows = [
+            {"id": row.id, "prompt": row.prompt} for row in load_prompts(str(config.data.prompts), options)
+        ]
+        train_prompts, eval_prompts = split_prompts(config, prompt_rows)
         started = time.perf_counter()
         backend = str(config.synthesis.backend)
         if backend == "engine":
-            result = _generate_with_engine(config, target_path, train_prompts, cleanup)
+            result = _generate_with_engine(config, target_path, train_prompts, pids)
         else:
             result = _generate_in_process(config, target_path, train_prompts)
         seconds = time.perf_counter() - started
         if not result.conversations:
             seen = sorted({row["reason"] for row in result.rejected})[:5]
             raise StageError("synthesize", f"every prompt was rejected: {seen}")
-        writer = DatasetWriter(work.uri, storage_options=storage_options(config))
+        writer = DatasetWriter(work.uri, storage_options=options)
         rows = result.conversations
         for index, start in enumerate(range(0, len(rows), ROWS_PER_SHARD)):
             chunk = rows[start : start + ROWS_PER_SHARD]
-            writer.write_shard(f"conversations-{index:05d}.jsonl", _jsonl(chunk), rows=len(chunk))
-        writer.write_shard(EVAL_PROMPTS_SHARD, _jsonl(eval_prompts), rows=len(eval_prompts))
-        writer.write_shard(REJECTED_SHARD, _jsonl(result.rejected), rows=len(result.rejected))
+            writer.write_shard(
+                f"{CONVERSATIONS_SHARD_PREFIX}{index:05d}.jsonl", to_jsonl(chunk), rows=len(chunk)
+            )
+        writer.write_shard(EVAL_PROMPTS_SHARD, to_jsonl(eval_prompts), rows=len(eval_prompts))
+        writer.write_shard(REJECTED_SHARD, to_jsonl(result.rejected), rows=len(result.rejected))
         reasons: dict[str, int] = {}
         for row in result.rejected:
             kind = row["reason"].split(":")[0]  # "generation failed: <detail>" -> "generation failed"
@@ -214,40 +194,6 @@ def run(config: Any, cleanup: Any = None, on_start: Any = None) -> StageOutcome:
     return run_cached("synthesize", config, SECTIONS, {}, body, on_start=on_start)
 
 
-def read_conversations(manifest: Any, options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """All accepted conversations of a synthesize manifest, in shard order."""
-    from draftloop.infra.storage import read_shard
-
-    rows: list[dict[str, Any]] = []
-    for shard in manifest.shards:
-        if shard.name.startswith("conversations-"):
-            rows.extend(
-                json.loads(line)
-                for line in read_shard(manifest, shard.name, options).decode().splitlines()
-                if line
-            )
-    return rows
-
-
-def read_eval_prompts(manifest: Any, options: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    from draftloop.infra.storage import read_shard
-
-    data = read_shard(manifest, EVAL_PROMPTS_SHARD, options).decode()
-    return [json.loads(line) for line in data.splitlines() if line]
-
-
-def _task(ctx: Any) -> StageOutcome:
-    from draftloop.tasks._stage import execute_stage
-
-    return execute_stage(
-        ctx, "synthesize", lambda _run, on_start: run(ctx.config, cleanup=ctx, on_start=on_start)
-    )
-
-
-def synthesize_task() -> Any:
-    """The Prefect task (built lazily so importing this module does not import Prefect)."""
-    from prefect import task
-
-    from draftloop.tasks._stage import task_options
-
-    return task(name="synthesize", **task_options())(_task)
+@task(name="synthesize", **stage_task_options())
+def synthesize_stage(ctx: CycleContext) -> StageOutcome:
+    return execute_stage(ctx, "synthesize", lambda _run, on_start: run(ctx.config, ctx.pids, on_start))

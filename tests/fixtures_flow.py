@@ -73,31 +73,16 @@ def flow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowEnv]:
             yield FlowEnv(workdir, config_path, api_url, {**env, "PREFECT_API_URL": api_url})
 
 
-def cycle_until() -> str:
-    """The last stage of the longest runnable prefix of the cycle (all five once every piece landed)."""
-    from draftloop.tasks._stage import STAGES, stage_availability
-
-    missing = stage_availability()
-    until = STAGES[0]
-    for stage in STAGES:
-        if missing[stage]:
-            break
-        until = stage
-    return until
-
-
 def run_cycle_in_process(
-    env: FlowEnv, overrides: dict[str, Any] | None = None, until: str | None = None
+    env: FlowEnv, overrides: dict[str, Any] | None = None, until: str = "register"
 ) -> tuple[dict[str, Any], float]:
-    """Run the cycle (as far as it can go, or to `until`) through the real flow; (summary, seconds)."""
-    from draftloop.flows import stages
-    from draftloop.flows.train_and_eval import TrainAndEvalParams, train_and_eval
+    """Run the cycle up to `until` through the real flow; (summary, seconds)."""
+    from draftloop.flows.cycle import TrainAndEvalParams
+    from draftloop.flows.stages import flow_until
 
     params = TrainAndEvalParams(config=str(env.config_path), overrides=overrides or {})
-    until = until or cycle_until()
-    chosen: Any = train_and_eval if until == "register" else getattr(stages, f"{until}_flow")
     started = time.perf_counter()
-    summary: dict[str, Any] = chosen(params)
+    summary = flow_until(until)(params)
     return summary, time.perf_counter() - started
 
 

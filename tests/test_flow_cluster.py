@@ -73,8 +73,8 @@ def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
             monkeypatch.setenv(key, value)
         monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the cluster keeps token auth on
 
+        from draftloop.flows.cycle import TrainAndEvalParams
         from draftloop.flows.stages import train_flow
-        from draftloop.flows.train_and_eval import TrainAndEvalParams
 
         params = TrainAndEvalParams(
             config=str(config_path),

@@ -21,7 +21,8 @@ def test_deployment_run_completes_the_cycle(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from draftloop.infra.services import _alive, down, read_services, up
+    from draftloop.infra.processes import is_alive
+    from draftloop.infra.services import down, read_services, up
 
     first, _ = first_cycle
     monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
@@ -60,5 +61,5 @@ def test_deployment_run_completes_the_cycle(
     finally:
         stopped = down(REPO_ROOT)
         for service in read_services(REPO_ROOT).values():
-            assert not _alive(service.pid)
+            assert not is_alive(service.pid)
     assert set(stopped) == {"prefect-server", "prefect-worker", "mlflow"}

@@ -9,7 +9,7 @@ import pytest
 
 from draftloop.infra.config import ExperimentConfig
 from draftloop.tasks import evaluate, extract, synthesize, train
-from draftloop.tasks._stage import cache_key, find_committed, run_cached, stage_uri
+from draftloop.tasks.cache import cache_key, find_committed, run_cached, stage_uri
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,8 +104,8 @@ def test_cancellation_hook_stops_recorded_processes(tmp_path: Path, monkeypatch:
     import sys
     from types import SimpleNamespace
 
-    from draftloop.flows.train_and_eval import stop_started_resources
-    from draftloop.tasks._stage import CycleContext
+    from draftloop.flows.cycle import stop_started_resources
+    from draftloop.tasks.cycle import CycleContext
 
     monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
     config = _config(tmp_path)
@@ -119,7 +119,7 @@ def test_cancellation_hook_stops_recorded_processes(tmp_path: Path, monkeypatch:
         start_new_session=True,
     )
     ctx = CycleContext(config=config, run_id="run-1", tracker=None, run_uri=str(tmp_path / "run"))
-    ctx.record_pids("engine-baseline", [server.pid])
+    ctx.pids.add("engine-baseline", [server.pid])
     assert server.poll() is None
     stop_started_resources(None, SimpleNamespace(id="run-1"), None)
     assert server.wait(timeout=15) is not None
@@ -128,5 +128,5 @@ def test_cancellation_hook_stops_recorded_processes(tmp_path: Path, monkeypatch:
         ["pgrep", "-g", str(server.pid)], capture_output=True, text=True
     ).stdout.strip()
     assert group_alive == ""
-    assert not ctx.pid_file.exists()
+    assert not ctx.pids.path.exists()
     stop_started_resources(None, SimpleNamespace(id="run-1"), None)

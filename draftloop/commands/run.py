@@ -1,0 +1,147 @@
+"""`draftloop run CONFIG` and `draftloop demo`: one cycle in this process, the same flow a deployment runs.
+
+The config is validated before anything is created: a refused config (exit 2) leaves the working
+directory as it was. Then Prefect (an ephemeral API whose home is `.draftloop/prefect`, unless
+PREFECT_API_URL names a server), a local Ray (unless `ray.address`) and MLflow (per `tracking`) start,
+the flow runs up to `--until`, and a summary table is printed; `summary.json` lands in the run folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options
+from draftloop.infra.processes import state_dir
+
+# The demo's config: a tiny random-weight Llama built locally, served by vLLM on CPU.
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
+
+STAGE_TITLES = {
+    "synthesize": "synthesize conversations",
+    "extract": "extract hidden states",
+    "train": "train the drafter",
+    "evaluate": "deploy + evaluate",
+    "register": "register in MLflow",
+}
+
+
+def _embedded_defaults(state: Path) -> dict[str, str]:
+    """Environment for a run in this process; anything the user set already wins."""
+    return {
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        # Actor output would interleave with the progress bars; failures still carry remote tracebacks.
+        "DRAFTLOOP_RAY_LOG_TO_DRIVER": "0",
+    }
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title=f"draftloop cycle {summary.get('config')}: {summary.get('status')}")
+    table.add_column("item")
+    table.add_column("value")
+    for stage, timing in summary.get("stages", {}).items():
+        table.add_row(
+            f"stage {stage}", f"{timing['seconds']:.1f} s" + (" (cache hit)" if timing["cache_hit"] else "")
+        )
+    for key in ("acceptance_rate", "mean_acceptance_length", "simulator_acceptance_rate", "consistent"):
+        value = summary.get(key)
+        table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
+    for concurrency, speedup in (summary.get("speedup") or {}).items():
+        table.add_row(f"speedup @ concurrency {concurrency}", f"{speedup:.3f}x")
+    registered = summary.get("registered_model") or {}
+    if registered:
+        table.add_row(
+            "model version",
+            f"{registered.get('name')} v{registered.get('version')} ({registered.get('alias_status')})",
+        )
+        gate = registered.get("gate") or {}
+        for reason in gate.get("reasons", []):
+            table.add_row("gate: rejected", reason)
+        for note in gate.get("notes", []):
+            table.add_row("gate: note", note)
+    table.add_row("total", f"{summary.get('total_seconds', 0):.1f} s")
+    table.add_row("summary.json", f"{summary.get('run_folder')}/summary.json")
+    return table
+
+
+def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
+    """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
+    load_config_or_exit(config_path, set_options)  # creates nothing
+    state = state_dir()
+    for key, value in _embedded_defaults(state).items():
+        os.environ.setdefault(key, value)
+    # Imported only now: the flows import Prefect, Ray and MLflow, which must see the environment above
+    # (and a refused config should not wait for them).
+    from draftloop.flows.cycle import TrainAndEvalParams
+    from draftloop.flows.stages import flow_until
+    from draftloop.tasks.cycle import PROGRESS_LISTENERS, STAGES
+
+    console = Console()
+    if until not in STAGES:
+        console.print(f"[red]error:[/red] --until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
+        raise typer.Exit(2)
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # sqlite will not create it
+    params = TrainAndEvalParams(config=str(config_path), overrides=parse_set_options(set_options))
+    stages = STAGES[: STAGES.index(until) + 1]
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        bars = {stage: progress.add_task(STAGE_TITLES[stage], total=1, start=False) for stage in stages}
+
+        def on_event(stage: str, event: str) -> None:
+            bar = bars[stage]
+            if event == "started":
+                progress.start_task(bar)
+            elif event == "done":
+                progress.update(bar, completed=1)
+            elif event == "failed":
+                progress.update(bar, description=f"[red]{STAGE_TITLES[stage]} (failed)")
+
+        PROGRESS_LISTENERS.append(on_event)
+        try:
+            summary = flow_until(until)(params)
+        except Exception as error:
+            progress.stop()
+            console.print(f"[red]cycle failed:[/red] {error}")
+            raise typer.Exit(1) from error
+        finally:
+            PROGRESS_LISTENERS.remove(on_event)
+    console.print(summary_table(summary))
+
+
+_SET_HELP = 'Override a config field, "section.field=value" (repeatable)'
+_UNTIL_HELP = "Last stage to run: synthesize, extract, train, evaluate or register"
+
+
+def register(app: typer.Typer) -> None:
+    """Add `run` and `demo` to the `draftloop` app."""
+
+    @app.command("run")
+    def run(
+        config: Path = typer.Argument(..., help="Experiment config (YAML)"),
+        set_options: list[str] = typer.Option([], "--set", help=_SET_HELP),
+        until: str = typer.Option("register", "--until", help=_UNTIL_HELP),
+    ) -> None:
+        """Run one cycle of CONFIG here: synthesize, extract, train, deploy+evaluate, register."""
+        run_cycle_command(config, set_options, until)
+
+    @app.command()
+    def demo(
+        set_options: list[str] = typer.Option([], "--set", help=_SET_HELP),
+        until: str = typer.Option("register", "--until", help=_UNTIL_HELP),
+    ) -> None:
+        """`run` with the built-in tiny config (configs/tiny-llama.yaml): a few CPU minutes, no downloads."""
+        run_cycle_command(DEMO_CONFIG, set_options, until)

@@ -1,0 +1,222 @@
+"""The cycle's body, shared by the `train-and-eval` flow and the per-stage flows.
+
+Only composition lives here: which stage feeds which, the cycle's MLflow parent run, Ray's lifetime,
+the summary. Caching is per stage (committed manifests keyed by config sections + upstream hashes,
+tasks/cache.py), so re-running after a failure resumes at the failed stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import ray._private.worker as ray_worker
+from prefect import Flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import FlowRun
+from prefect.runtime import flow_run as current_flow_run
+from prefect.states import State
+from pydantic import BaseModel, Field
+
+from draftloop.infra import actors
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.tracking import StageRun, Tracker, flatten_params
+from draftloop.tasks.cycle import STAGES, CycleContext, cycle_pids, run_folder_uri
+from draftloop.tasks.evaluate import evaluate_stage
+from draftloop.tasks.extract import extract_stage
+from draftloop.tasks.register import register_stage
+from draftloop.tasks.synthesize import synthesize_stage
+from draftloop.tasks.train import train_stage
+
+# Set before Prefect, MLflow or Ray start in this process: no telemetry, time for Prefect's ephemeral
+# server to start on a busy machine, no tokenizer thread pool per Ray worker.
+_ENV_DEFAULTS = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+for _key, _value in _ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+
+
+class TrainAndEvalParams(BaseModel):
+    """The flow's form in the Prefect UI: a config file plus the overrides people change most."""
+
+    config: str = Field(default="configs/tiny-llama.yaml", description="Experiment config (YAML path)")
+    target_path: str | None = Field(default=None, description="target.path: Hugging Face model folder")
+    drafter_init: str | None = Field(
+        default=None, description="training.drafter_init: drafter folder to fine-tune"
+    )
+    engine_kind: str | None = Field(default=None, description="engine.kind (a registered engine)")
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, le=16, description="engine.num_speculative_tokens"
+    )
+    num_samples: int | None = Field(
+        default=None, ge=1, description="data.num_samples: conversations to synthesize"
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description='More overrides: dotted keys, e.g. {"training.epochs": 2}'
+    )
+
+    def config_overrides(self) -> dict[str, Any]:
+        """All overrides as dotted keys, the form `ExperimentConfig.load` takes."""
+        named = {
+            "target.path": self.target_path,
+            "training.drafter_init": self.drafter_init,
+            "engine.kind": self.engine_kind,
+            "engine.num_speculative_tokens": self.num_speculative_tokens,
+            "data.num_samples": self.num_samples,
+        }
+        return {**{k: v for k, v in named.items() if v is not None}, **self.overrides}
+
+    def load_config(self) -> ExperimentConfig:
+        return ExperimentConfig.load(self.config, self.config_overrides())
+
+
+def _run_id() -> str:
+    """The Prefect flow run's id (cancellation hooks find the run's PID record by it)."""
+    return str(current_flow_run.id) if current_flow_run.id else uuid.uuid4().hex
+
+
+def _record_ray_pids(ctx: CycleContext) -> None:
+    """Ray's head processes started by this driver, so a cancelled/crashed run can stop them by PID."""
+    node = ray_worker._global_node
+    if node is not None:
+        pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
+        ctx.pids.add("ray", pids)
+
+
+def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, Any]:
+    """summary.json: acceptance, speedup per concurrency, registered version, stage timings, cache hits."""
+    evaluation = ctx.outcomes.get("evaluate")
+    registration = ctx.outcomes.get("register")
+    results = evaluation.manifest.summary.get("results", {}) if evaluation else {}
+    return {
+        "run_id": ctx.run_id,
+        "config": ctx.config.name,
+        "status": status,
+        "mlflow_run_id": ctx.tracker.parent_run_id,
+        "acceptance_rate": results.get("acceptance_rate"),
+        "mean_acceptance_length": results.get("mean_acceptance_length"),
+        "per_position_acceptance": results.get("per_position_acceptance"),
+        "simulator_acceptance_rate": results.get("simulator_acceptance_rate"),
+        "consistent": results.get("consistent"),
+        "speedup": results.get("speedup"),
+        "throughput": results.get("throughput"),
+        "registered_model": registration.manifest.summary if registration else None,
+        "stages": {
+            name: {"seconds": timing.seconds, "cache_hit": timing.cache_hit, "uri": ctx.outcomes[name].uri}
+            for name, timing in ctx.timings.items()
+        },
+        "cache_hits": sorted(name for name, timing in ctx.timings.items() if timing.cache_hit),
+        "total_seconds": round(time.perf_counter() - started, 3),
+        "run_folder": ctx.run_uri,
+    }
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    lines = [
+        f"# draftloop cycle `{summary['config']}`: {summary['status']}",
+        "",
+        "| stage | seconds | cache |",
+        "|---|---|---|",
+    ]
+    for name, timing in summary["stages"].items():
+        lines.append(f"| {name} | {timing['seconds']} | {'hit' if timing['cache_hit'] else 'run'} |")
+    lines += ["", "| result | value |", "|---|---|"]
+    lines.append(f"| acceptance rate | {summary.get('acceptance_rate')} |")
+    lines.append(f"| mean acceptance length | {summary.get('mean_acceptance_length')} |")
+    for concurrency, speedup in (summary.get("speedup") or {}).items():
+        lines.append(f"| speedup @ {concurrency} | {speedup} |")
+    registered = summary.get("registered_model") or {}
+    if registered:
+        lines.append(
+            f"| model version | {registered.get('name')} v{registered.get('version')} "
+            f"({registered.get('alias_status')}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, Any]:
+    """The cycle's body, up to and including stage `until` (the per-stage flows stop early)."""
+    logger = get_run_logger()
+    started = time.perf_counter()
+    config = params.load_config()
+    run_id = _run_id()
+    tracker = Tracker.from_config(config)
+    ctx = CycleContext(config=config, run_id=run_id, tracker=tracker, run_uri=run_folder_uri(config, run_id))
+    dumped = config.model_dump(mode="json")
+    cycle_run = tracker.start_cycle(
+        run_name=f"{config.name}-{run_id[:8]}",
+        params=flatten_params(dumped),
+        tags={"draftloop.config": config.name, "prefect.flow_run_id": run_id, "draftloop.until": until},
+    )
+    cycle_run.log_dict(dumped, "config.json")
+    ctx.write_text("config.json", json.dumps(dumped, indent=2))
+    status = "failed"
+
+    def record_ray() -> None:
+        _record_ray_pids(ctx)
+
+    # Ray starts lazily, in the first stage that really runs (a fully cached cycle never pays for it).
+    actors.RAY_START_CALLBACKS.append(record_ray)
+    try:
+        last = STAGES.index(until)
+        conversations = synthesize_stage(ctx)
+        if last >= 1:
+            hidden = extract_stage(ctx, conversations)
+        if last >= 2:
+            drafter = train_stage(ctx, hidden)
+        if last >= 3:
+            evaluation = evaluate_stage(ctx, conversations, drafter)
+        if last >= 4:
+            register_stage(ctx, conversations, hidden, drafter, evaluation)
+        status = "completed"
+    except BaseException as error:
+        tracker.end_cycle("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", error=str(error))
+        raise
+    finally:
+        actors.RAY_START_CALLBACKS.remove(record_ray)
+        if actors.started_here():
+            actors.shutdown_ray()
+            ctx.pids.forget("ray")
+        ctx.pids.stop_all()  # anything a stage left behind (engine servers)
+        summary = build_summary(ctx, started, status)
+        ctx.write_text("summary.json", json.dumps(summary, indent=2))
+        try:
+            cycle_run.log_dict(summary, "summary.json")
+            create_markdown_artifact(summary_markdown(summary), key="draftloop-cycle-summary")
+        except Exception as error:  # reporting must not mask the cycle's own outcome
+            logger.warning("could not publish the summary: %s", error)
+    tracker.end_cycle("FINISHED")
+    _log_cycle_metrics(cycle_run, summary)
+    logger.info("cycle %s done: %s", run_id, json.dumps({k: summary[k] for k in ("stages", "speedup")}))
+    return summary
+
+
+def _log_cycle_metrics(cycle_run: StageRun, summary: dict[str, Any]) -> None:
+    metrics: dict[str, float] = {}
+    for key in ("acceptance_rate", "mean_acceptance_length"):
+        if isinstance(summary.get(key), int | float):
+            metrics[key] = float(summary[key])
+    for concurrency, value in (summary.get("speedup") or {}).items():
+        metrics[f"speedup_c{concurrency}"] = float(value)
+    for stage, timing in summary["stages"].items():
+        metrics[f"stage_seconds.{stage}"] = float(timing["seconds"])
+    cycle_run.log_metrics(metrics)
+
+
+def stop_started_resources(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """on_cancellation / on_crashed: stop engine servers and Ray processes this run recorded."""
+    cycle_pids(str(flow_run.id)).stop_all()
+
+
+# Every cycle flow stops what its run started when the run is cancelled or crashes.
+CYCLE_FLOW_HOOKS: dict[str, Any] = {
+    "on_cancellation": [stop_started_resources],
+    "on_crashed": [stop_started_resources],
+}

@@ -1,0 +1,85 @@
+"""Conversations: the rows synthesis writes and extraction reads, and how a synthesize dataset holds them.
+
+A row is `{"id", "messages": [user prompt, assistant answer], "reasoning": str | None}`; a synthesize
+dataset stores them in `conversations-NNNNN.jsonl` shards next to `eval_prompts.jsonl` (the held-out
+prompts, `{"id", "prompt"}`) and `rejected.jsonl` (`{"id", "reason"}`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftloop.infra.storage import Manifest, StorageOptions, read_shard
+
+CONVERSATIONS_SHARD_PREFIX = "conversations-"
+EVAL_PROMPTS_SHARD = "eval_prompts.jsonl"
+REJECTED_SHARD = "rejected.jsonl"
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """(content, reasoning): reasoning models wrap their thinking in <think>...</think>; keep it apart."""
+    found = _THINK.search(text)
+    if found is None:
+        if "</think>" in text:  # template opened <think> in the prompt; only the close is generated
+            reasoning, _, content = text.partition("</think>")
+            return content.strip(), reasoning.strip() or None
+        return text.strip(), None
+    reasoning = found.group(1).strip()
+    content = (text[: found.start()] + text[found.end() :]).strip()
+    return content, reasoning or None
+
+
+@dataclass
+class SynthesisResult:
+    """Answered conversations, rejected prompts with their reason, and the tokens generated."""
+
+    conversations: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[dict[str, str]] = field(default_factory=list)
+    generated_tokens: int = 0
+
+    def reject(self, row_id: str, reason: str) -> None:
+        self.rejected.append({"id": row_id, "reason": reason})
+
+    def add_answer(self, prompt: Mapping[str, str], content: str, reasoning: str | None) -> None:
+        """Keep the target's answer to `prompt` (`{"id", "prompt"}`); an empty answer is a rejection."""
+        if not content:
+            self.reject(prompt["id"], "empty answer")
+            return
+        self.conversations.append(
+            {
+                "id": prompt["id"],
+                "messages": [
+                    {"role": "user", "content": prompt["prompt"]},
+                    {"role": "assistant", "content": content},
+                ],
+                "reasoning": reasoning,
+            }
+        )
+
+
+def to_jsonl(rows: Iterable[Mapping[str, Any]]) -> bytes:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
+
+
+def _read_jsonl(manifest: Manifest, shard: str, options: StorageOptions | None) -> list[Any]:
+    return [json.loads(line) for line in read_shard(manifest, shard, options).decode().splitlines() if line]
+
+
+def read_conversations(manifest: Manifest, options: StorageOptions | None = None) -> list[dict[str, Any]]:
+    """All accepted conversations of a synthesize dataset, in shard order."""
+    rows: list[dict[str, Any]] = []
+    for shard in manifest.shards:
+        if shard.name.startswith(CONVERSATIONS_SHARD_PREFIX):
+            rows.extend(_read_jsonl(manifest, shard.name, options))
+    return rows
+
+
+def read_eval_prompts(manifest: Manifest, options: StorageOptions | None = None) -> list[dict[str, str]]:
+    """The held-out prompts (`{"id", "prompt"}`) of a synthesize dataset."""
+    return _read_jsonl(manifest, EVAL_PROMPTS_SHARD, options)

@@ -1,0 +1,123 @@
+"""Engine servers hosted in Ray actors: what the evaluate and synthesize stages start and talk to.
+
+Each server runs in an `EngineServerActor` (on the node and GPUs Ray gives it, `engine.num_gpus`);
+the driver talks to it over HTTP through a `ServerProxy`. A server's process group is recorded in the
+cycle's PID record, so a cancelled or crashed flow run stops it even if this process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from draftloop.infra.actors import kill_actors
+from draftloop.infra.engines.base import Engine
+from draftloop.infra.engines.server import (
+    PIDFILE_DIR_NAME,
+    EngineServer,
+    EngineServerActor,
+    SmokeResult,
+    clean_stale_servers,
+)
+from draftloop.infra.processes import PidRecord
+
+# How long a server may take to shut down from inside its actor before the actor is killed.
+_STOP_TIMEOUT_S = 60
+
+
+@dataclass
+class ServerProxy:
+    """A running server in a Ray actor, as evaluation's `ServerHandle` and synthesis see it."""
+
+    actor: Any  # the EngineServerActor handle
+    base_url: str
+    startup_s: float | None
+    log_path: Path
+    model_name: str = "target"
+
+    def metrics_text(self) -> str:
+        return str(ray.get(self.actor.metrics_text.remote()))
+
+    def smoke_test(self) -> SmokeResult:
+        result: SmokeResult = ray.get(self.actor.smoke_test.remote())
+        return result
+
+    def stop(self) -> None:
+        # Stop the server from inside the actor first: killing the actor alone would orphan it.
+        with contextlib.suppress(Exception):
+            ray.get(self.actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
+        kill_actors([self.actor])
+
+
+def start_server_actor(
+    engine: Engine,
+    target_path: str | Path,
+    run_dir: Path,
+    name: str,
+    drafter_dir: str | Path | None = None,
+    num_speculative_tokens: int | None = None,
+    pids: PidRecord | None = None,
+    **actor_options: Any,
+) -> ServerProxy:
+    """Start one engine server in a Ray actor and wait until it is ready (Ray must be initialised).
+
+    `actor_options` go to `ray.remote` (e.g. a `runtime_env`). The server's PID is added to `pids`
+    under `engine-<name>`.
+    """
+    clean_stale_servers(run_dir)  # a previous attempt killed mid-way may have left one behind
+    server = EngineServer(
+        engine,
+        Path(target_path),
+        run_dir,
+        name=name,
+        drafter_dir=Path(drafter_dir) if drafter_dir is not None else None,
+        num_speculative_tokens=num_speculative_tokens if drafter_dir is not None else None,
+    )
+    actor = EngineServerActor.options_for(engine.settings, **actor_options).remote(server)
+    try:
+        info = ray.get(actor.start.remote())
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            ray.get(actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
+        kill_actors([actor])
+        cause = getattr(error, "cause", None)  # RayTaskError wraps the actor's own exception
+        if isinstance(cause, Exception) and cause is not error:
+            raise cause from error
+        raise
+    record = Path(run_dir) / PIDFILE_DIR_NAME / f"{name}.json"
+    if pids is not None and record.exists():
+        pids.add(f"engine-{name}", [int(json.loads(record.read_text())["pid"])])
+    return ServerProxy(
+        actor=actor, base_url=info["url"], startup_s=info["startup_s"], log_path=Path(info["log_path"])
+    )
+
+
+def server_starter(
+    engine: Engine,
+    target_path: str | Path,
+    run_dir: Path,
+    num_speculative_tokens: int,
+    pids: PidRecord | None = None,
+    **actor_options: Any,
+) -> Callable[[str, Path | None], contextlib.AbstractContextManager[ServerProxy]]:
+    """evaluation's `start_server(name, drafter_dir)`: each server in its own actor, stopped on exit."""
+
+    @contextlib.contextmanager
+    def start(name: str, drafter_dir: Path | None) -> Iterator[ServerProxy]:
+        server = start_server_actor(
+            engine, target_path, run_dir, name, drafter_dir, num_speculative_tokens, pids, **actor_options
+        )
+        try:
+            yield server
+        finally:
+            server.stop()
+            if pids is not None:
+                pids.forget(f"engine-{name}")
+
+    return start

@@ -1,0 +1,128 @@
+"""One run of the cycle as its stages see it: the context, stage bookkeeping and the MLflow glue.
+
+The flow builds a `CycleContext` and hands it to every stage task; `execute_stage` wraps a stage's
+work in its nested MLflow run, writes progress markers to the run folder and turns failures into a
+`StageError` carrying the log excerpt (transient ones keep their type, so Prefect can retry them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.processes import PidRecord, state_dir
+from draftloop.infra.storage import join, storage_options, write_text_atomic
+from draftloop.infra.tracking import StageRun, Tracker, error_excerpt
+from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork
+from draftloop.tasks.retry import is_transient
+
+STAGES: tuple[str, ...] = ("synthesize", "extract", "train", "evaluate", "register")
+
+# In-process observers of stage events ("started", "running", "done", "failed"): the CLI's progress bars.
+PROGRESS_LISTENERS: list[Callable[[str, str], None]] = []
+
+
+def run_folder_uri(config: ExperimentConfig, run_id: str) -> str:
+    """`<storage.root>/<name>/cycles/<run id>`: the run's config, progress markers and summary."""
+    return join(str(config.storage.root), config.name, "cycles", run_id)
+
+
+def cycle_pids(run_id: str) -> PidRecord:
+    """The processes run `run_id` started (engine servers, its Ray head), for cancellation hooks."""
+    return PidRecord(state_dir() / "cycles" / run_id / "pids.json")
+
+
+@dataclass
+class StageTiming:
+    seconds: float
+    cache_hit: bool
+
+
+@dataclass
+class CycleContext:
+    """One flow run: its config, tracker, run folder, stage timings and what it started."""
+
+    config: ExperimentConfig
+    run_id: str
+    tracker: Tracker
+    run_uri: str
+    timings: dict[str, StageTiming] = field(default_factory=dict)
+    outcomes: dict[str, StageOutcome] = field(default_factory=dict)
+
+    @property
+    def pids(self) -> PidRecord:
+        return cycle_pids(self.run_id)
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write `<run folder>/<name>` (atomically, on any storage)."""
+        write_text_atomic(join(self.run_uri, name), text, storage_options(self.config))
+
+    def mark(self, stage: str, event: str) -> None:
+        """`<run folder>/stages/<stage>.<event>`: progress anyone can watch (tests, people, the CLI)."""
+        self.write_text(f"stages/{stage}.{event}", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        for listener in list(PROGRESS_LISTENERS):
+            with suppress(Exception):  # a broken progress bar must not fail a stage
+                listener(stage, event)
+
+
+def _numeric(summary: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for key, value in summary.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            metrics[f"{prefix}{key}"] = float(value)
+        elif isinstance(value, Mapping):
+            metrics.update(_numeric(value, prefix=f"{prefix}{key}."))
+    return metrics
+
+
+def execute_stage(
+    ctx: CycleContext, stage: str, produce: Callable[[StageRun, OnStart], StageOutcome]
+) -> StageOutcome:
+    """Run one stage inside its nested MLflow run: markers, timings, cache-hit tag, summary metrics.
+
+    `produce(stage_run, on_start)` returns the StageOutcome (through `run_cached`); `on_start` is called
+    only when the stage really runs (not on a cache hit). A failure is recorded in MLflow and re-raised
+    as a StageError carrying the log excerpt, so Prefect shows it too.
+    """
+    ctx.mark(stage, "started")
+    started = time.perf_counter()
+    try:
+        with ctx.tracker.stage(stage) as stage_run:
+
+            def on_start(work: StageWork) -> None:
+                ctx.mark(stage, "running")
+                stage_run.set_tags({"draftloop.cache_key": work.key, "draftloop.uri": work.uri})
+
+            outcome = produce(stage_run, on_start)
+            stage_run.set_tags(
+                {
+                    "draftloop.cache_hit": str(outcome.cache_hit).lower(),
+                    "draftloop.cache_key": outcome.key,
+                    "draftloop.uri": outcome.uri,
+                    "draftloop.manifest_hash": outcome.manifest.content_hash(),
+                }
+            )
+            if not outcome.cache_hit:
+                stage_run.log_metrics(_numeric(outcome.manifest.summary))
+            stage_run.log_dict(outcome.manifest.model_dump(mode="json"), "manifest.json")
+    except BaseException as error:
+        with suppress(Exception):
+            ctx.mark(stage, "failed")
+        if isinstance(error, StageError) or not isinstance(error, Exception) or is_transient(error):
+            raise  # a transient error keeps its type: Prefect's retry condition looks at it
+        excerpt = getattr(error, "log_excerpt", None)
+        raise StageError(
+            stage, f"{type(error).__name__}: {error}", excerpt or error_excerpt(error)
+        ) from error
+    ctx.outcomes[stage] = outcome
+    ctx.timings[stage] = StageTiming(
+        seconds=round(time.perf_counter() - started, 3), cache_hit=outcome.cache_hit
+    )
+    ctx.mark(stage, "done")
+    return outcome
