@@ -77,7 +77,12 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
 
 
 def engine_numeric_mode(settings: EngineSettings, target_dir: Path, drafter_attention: str) -> NumericMode:
-    """The engine's mode, from the same settings its server command is built from."""
+    """The engine's mode, from the same settings its server command is built from.
+
+    "auto" is read as the target's declared dtype. (vLLM serves a float32 checkpoint under "auto" in
+    its platform's preferred low precision instead; configs that care name the dtype, as the shipped
+    ones do.)
+    """
     dtype = target_dtype(target_dir) if settings.dtype == "auto" else settings.dtype
     flags = {flag: _flag_value(settings.extra_args, flag) for flag in NUMERIC_ENGINE_FLAGS}
     kv_cache_dtype = flags["--kv-cache-dtype"]
