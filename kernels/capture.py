@@ -2,12 +2,12 @@
 
 ``layer_input`` id k = the residual stream entering decoder layer k, captured by a forward pre-hook on
 layer k; the final hidden state (after the model's final norm, so logits = lm_head(last)) by a forward
-hook on that norm. Only the requested layers are kept.
+hook on that norm. Only the requested layers are kept. The target's family (kernels/families/, by its
+config's model_type) says where the layers and the norm are.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .families.base import family_for_config
 from .layer_ids import LayerIds
 
-__all__ = ["CaptureResult", "capture_aux_hidden_states", "decoder_layers", "final_norm"]
+__all__ = ["CaptureResult", "capture_aux_hidden_states"]
 
 
 @dataclass
@@ -25,38 +26,6 @@ class CaptureResult:
     aux: Tensor  # [B, T, len(ids) * Ht], layers concatenated in id order
     last: Tensor | None  # [B, T, Ht], after the final norm
     logits: Tensor | None  # [B, T, V] when requested
-
-
-def _inner_model(model: nn.Module) -> nn.Module:
-    """The decoder stack of a CausalLM (handles get_decoder(), .model, .model.language_model)."""
-    candidates: list[Any] = []
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
-            candidates.append(get_decoder())
-    candidates += [
-        getattr(model, "model", None),
-        getattr(getattr(model, "model", None), "language_model", None),
-    ]
-    candidates.append(model)
-    for candidate in candidates:
-        if isinstance(candidate, nn.Module) and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
-            return candidate
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no .layers ModuleList)")
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = _inner_model(model).layers
-    assert isinstance(layers, nn.ModuleList)
-    return layers
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    inner = _inner_model(model)
-    norm = getattr(inner, "norm", None) or getattr(inner, "final_layernorm", None)
-    if not isinstance(norm, nn.Module):
-        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-    return norm
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
@@ -85,7 +54,8 @@ def capture_aux_hidden_states(
     the logits (otherwise the lm_head is skipped when the model allows it). ``past_key_values``: a
     transformers cache to read and extend (incremental decoding, e.g. the simulator's verify steps).
     """
-    layers = decoder_layers(model)
+    family = family_for_config(getattr(model, "config", {}))
+    layers = family.decoder_layers(model)
     ids = layer_ids.to("layer_input").validate(len(layers)).ids
     captured: dict[int, Tensor] = {}
     handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -105,7 +75,7 @@ def capture_aux_hidden_states(
         for index in ids:
             handles.append(layers[index].register_forward_pre_hook(pre_hook(index), with_kwargs=True))
         if want_last:
-            handles.append(final_norm(model).register_forward_hook(norm_hook))
+            handles.append(family.final_norm(model).register_forward_hook(norm_hook))
         kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": past_key_values is not None}
         if past_key_values is not None:
             kwargs["past_key_values"] = past_key_values
@@ -118,7 +88,7 @@ def capture_aux_hidden_states(
             logits = outputs.logits
         else:
             # The decoder alone: skips the lm_head, the largest matmul for big vocabularies.
-            _inner_model(model)(**kwargs)
+            family.decoder(model)(**kwargs)
             logits = None
     finally:
         for handle in handles:

@@ -12,48 +12,34 @@ Both compute, for the fused hidden h and token embedding e:
 ``prenorm = h1 + mlp(post_attention_layernorm(h1))``; logits = ``lm_head(norm(prenorm))``.
 ``prenorm`` is what vLLM feeds back as the next draft step's hidden state.
 
-Checkpoints are written in the engines' native format (config.json + model.safetensors) with a
-``draftloop`` block recording the aux layer ids in the internal ``layer_input`` convention.
+The target's family (kernels/families/) picks the attention kind and its config fields; reading and
+writing checkpoint folders is kernels/checkpoint.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Any, Literal, cast
+from dataclasses import asdict, dataclass, fields
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .layer_ids import LayerIds, normalize_convention
+from .families.base import (
+    DrafterAttention,
+    TargetFamily,
+    config_value,
+    family_for_config,
+    language_model_config,
+)
+from .layer_ids import LayerIds
 
-Attention = Literal["llama", "mla"]
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-FORMAT_VERSION = 1
-
-__all__ = [
-    "DrafterConfig",
-    "DrafterFormatError",
-    "Eagle3Drafter",
-    "KVPair",
-    "export_speculators",
-    "load_drafter",
-    "load_target_head",
-    "save_drafter",
-]
+__all__ = ["DrafterConfig", "Eagle3Drafter", "KVPair"]
 
 KVPair = tuple[Tensor, Tensor]
-
-
-class DrafterFormatError(ValueError):
-    """A drafter or target folder that cannot be read; the message names the file and field."""
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -63,7 +49,7 @@ class DrafterFormatError(ValueError):
 class DrafterConfig:
     """Everything needed to rebuild an :class:`Eagle3Drafter`; saved in config.json."""
 
-    attention: Attention
+    attention: DrafterAttention
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -84,7 +70,6 @@ class DrafterConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # untouched native fields of published configs
 
     def __post_init__(self) -> None:
         if self.attention not in ("llama", "mla"):
@@ -97,14 +82,14 @@ class DrafterConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} exceeds the target's vocab_size {self.vocab_size}"
+            )
 
     @property
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids.ids)
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -124,83 +109,57 @@ class DrafterConfig:
         target_config: Any,
         aux_layer_ids: LayerIds,
         draft_vocab_size: int | None = None,
-        attention: Attention | None = None,
+        *,
+        family: TargetFamily | None = None,
     ) -> DrafterConfig:
-        """A drafter shaped like ``target_config`` (a transformers config or its dict).
-
-        MLA targets (deepseek_v2/v3, kimi_k2) get an MLA drafter: vLLM needs the drafter's KV cache
-        block size to match the target's.
-        """
-        cfg = _as_namespace(target_config)
-        model_type = str(_get(cfg, "model_type", "llama"))
-        chosen: Attention = attention or ("mla" if model_type in MLA_MODEL_TYPES else "llama")
-        depth = int(_get(cfg, "num_hidden_layers"))
+        """A drafter for the target of ``target_config`` (a transformers config or its dict), fusing
+        ``aux_layer_ids`` (checked against the target's depth). ``family``: build the drafter this family
+        would (default: the target's own; another one makes a mis-paired drafter on purpose)."""
+        depth = int(config_value(language_model_config(target_config), "num_hidden_layers"))
         ids = aux_layer_ids.to("layer_input").validate(depth)
-        hidden = int(_get(cfg, "hidden_size"))
-        heads = int(_get(cfg, "num_attention_heads"))
-        kv_heads = int(_get(cfg, "num_key_value_heads", heads) or heads)
-        head_dim = int(_get(cfg, "head_dim", None) or hidden // heads)
-        vocab = int(_get(cfg, "vocab_size"))
-        theta, scaling = _rope_from_config(cfg)
-        values: dict[str, Any] = dict(
-            attention=chosen,
+        return cls.from_model_config(target_config, ids, draft_vocab_size=draft_vocab_size, family=family)
+
+    @classmethod
+    def from_model_config(
+        cls,
+        model_config: Any,
+        aux_layer_ids: LayerIds,
+        *,
+        draft_vocab_size: int | None = None,
+        target_hidden_size: int | None = None,
+        family: TargetFamily | None = None,
+    ) -> DrafterConfig:
+        """The one config builder: a drafter layer shaped like ``model_config``, which is either the
+        target's config or a native drafter checkpoint's own (a one-layer model config of the same form).
+        The family of its model_type supplies the attention kind and the attention-specific fields."""
+        config = language_model_config(model_config)
+        family = family or family_for_config(config)
+        hidden = int(config_value(config, "hidden_size"))
+        vocab = int(config_value(config, "vocab_size"))
+        theta, scaling = _rope_from_config(config)
+        return cls(
+            attention=family.drafter_attention,
             hidden_size=hidden,
-            intermediate_size=int(_get(cfg, "intermediate_size")),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads if chosen == "llama" else heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+            intermediate_size=int(config_value(config, "intermediate_size")),
+            num_attention_heads=int(config_value(config, "num_attention_heads")),
+            rms_norm_eps=float(config_value(config, "rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
-            hidden_act=str(_get(cfg, "hidden_act", "silu")),
+            max_position_embeddings=int(config_value(config, "max_position_embeddings", 4096)),
+            hidden_act=str(config_value(config, "hidden_act", "silu")),
             vocab_size=vocab,
             draft_vocab_size=int(draft_vocab_size or vocab),
-            target_hidden_size=hidden,
-            aux_layer_ids=ids,
+            target_hidden_size=int(target_hidden_size or hidden),
+            aux_layer_ids=aux_layer_ids,
+            **family.drafter_config_fields(config),
         )
-        if chosen == "mla":
-            q_lora = _get(cfg, "q_lora_rank", None)
-            values.update(
-                q_lora_rank=int(q_lora) if q_lora else None,
-                kv_lora_rank=int(_get(cfg, "kv_lora_rank", 512)),
-                qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim", 128)),
-                qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim", 64)),
-                v_head_dim=int(_get(cfg, "v_head_dim", 128)),
-            )
-            values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
-        if values["draft_vocab_size"] > vocab:
-            raise ValueError(f"draft_vocab_size {values['draft_vocab_size']} exceeds the target's {vocab}")
-        return cls(**values)
 
 
-def _as_namespace(config: Any) -> Any:
-    """Targets wrapped for multimodality (e.g. Kimi-K2.5) keep the LM fields in text_config."""
-    if isinstance(config, Mapping):
-        if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
-            merged = dict(config["text_config"])
-            merged.setdefault("model_type", config.get("model_type"))
-            return merged
-        return dict(config)
-    if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
-        return config.text_config
-    return config
-
-
-def _get(cfg: Any, name: str, default: Any = ...) -> Any:
-    value = cfg.get(name, None) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
-    if value is None:
-        if default is ...:
-            raise ValueError(f"target config has no {name!r}")
-        return default
-    return value
-
-
-def _rope_from_config(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+def _rope_from_config(config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, non-default scaling or None) from a transformers 4 or 5 style config."""
-    params = _get(cfg, "rope_parameters", None)
-    legacy = _get(cfg, "rope_scaling", None)
-    theta = _get(cfg, "rope_theta", None)
+    params = config_value(config, "rope_parameters", None)
+    legacy = config_value(config, "rope_scaling", None)
+    theta = config_value(config, "rope_theta", None)
     scaling: dict[str, Any] | None = None
     if isinstance(params, Mapping):
         theta = params.get("rope_theta", theta)
@@ -661,405 +620,3 @@ class Eagle3Drafter(nn.Module):
     def weights_state_dict(self) -> dict[str, Tensor]:
         """The tensors a checkpoint holds (no embedding), contiguous, keyed by native names."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if k != "embed_weight"}
-
-
-# --------------------------------------------------------------------------------------------- save / load
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
-
-def _native_config(drafter: Eagle3Drafter, engine: str, capture_ids: LayerIds) -> dict[str, Any]:
-    cfg = drafter.config
-    ids = list(capture_ids.to_engine(engine).ids)
-    data: dict[str, Any] = {
-        "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
-        "eagle_aux_hidden_state_layer_ids": ids,
-    }
-    if cfg.rope_scaling:
-        data["rope_scaling"] = dict(cfg.rope_scaling)
-    if cfg.attention == "llama":
-        data.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama")
-    else:
-        # model_type deepseek_v2, never deepseek_v3 (vLLM rewrites that to its MTP drafter). The MoE
-        # fields are unused by the dense drafter layer but must be integers for config validation.
-        data.update(
-            architectures=["Eagle3DeepseekV2ForCausalLM"],
-            model_type="deepseek_v2",
-            q_lora_rank=cfg.q_lora_rank,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            rope_interleave=True,
-            moe_intermediate_size=cfg.intermediate_size,
-            n_routed_experts=1,
-            n_shared_experts=1,
-            num_experts_per_tok=1,
-            first_k_dense_replace=1,
-            moe_layer_freq=1,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.0,
-            norm_topk_prob=True,
-            topk_method="noaux_tc",
-            scoring_func="sigmoid",
-        )
-    if engine == "sglang":
-        data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
-    for key, value in cfg.extra.items():
-        data.setdefault(key, value)
-    return data
-
-
-class LayerIdExportError(ValueError):
-    """Export asked for aux layer ids other than those the drafter was trained on."""
-
-
-def save_drafter(
-    drafter: Eagle3Drafter,
-    out_dir: str | os.PathLike[str],
-    engine: str = "vllm",
-    metadata: Mapping[str, Any] | None = None,
-    layer_ids: LayerIds | None = None,
-    allow_layer_mismatch: bool = False,
-) -> Path:
-    """Write the engine-native folder: config.json + model.safetensors (no embedding).
-
-    The engine captures the ids written to ``eagle_aux_hidden_state_layer_ids`` (converted to its
-    convention). They are the trained ids; ``layer_ids`` may restate them (any convention) and is refused
-    when it names other tensors, unless ``allow_layer_mismatch`` (to measure what a wrong export costs).
-    The ``draftloop`` block always records the trained ids.
-    """
-    if engine not in ("vllm", "sglang"):
-        raise ValueError(f"engine must be 'vllm' or 'sglang', got {engine!r}")
-    cfg = drafter.config
-    capture_ids = cfg.aux_layer_ids if layer_ids is None else layer_ids.to("layer_input")
-    if capture_ids.ids != cfg.aux_layer_ids.ids and not allow_layer_mismatch:
-        raise LayerIdExportError(
-            f"drafter was trained on aux layers {list(cfg.aux_layer_ids.ids)} (layer_input) but the export "
-            f"asks the engine to capture {list(capture_ids.ids)} (layer_input"
-            + (f"; given as {list(layer_ids.ids)} {layer_ids.convention}" if layer_ids is not None else "")
-            + "): it would read other tensors than it was trained on"
-        )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = _native_config(drafter, engine, capture_ids)
-    exported = capture_ids.to_engine(engine)
-    config["draftloop"] = {
-        "format_version": FORMAT_VERSION,
-        "aux_layer_ids": list(cfg.aux_layer_ids.ids),
-        "aux_layer_ids_convention": "layer_input",
-        "convention_exported": exported.convention,
-        "engine": engine,
-        "drafter_config": cfg.to_json(),
-        "metadata": dict(metadata or {}),
-    }
-    tensors = {k: v.cpu() for k, v in drafter.weights_state_dict().items()}
-    if cfg.draft_vocab_size == cfg.vocab_size:
-        # vLLM builds no d2t parameter when the vocabularies are equal and rejects one in the checkpoint
-        # ("no module or parameter named 'draft_id_to_target_id'"); load_drafter rebuilds the identity.
-        tensors.pop("d2t", None)
-        tensors.pop("t2d", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise DrafterFormatError(f"{path}: not found") from exc
-    except json.JSONDecodeError as exc:
-        raise DrafterFormatError(f"{path}: invalid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise DrafterFormatError(f"{path}: expected a JSON object")
-    return data
-
-
-def _read_weights(folder: Path) -> dict[str, Tensor]:
-    single = folder / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        merged: dict[str, Tensor] = {}
-        for shard in shards:
-            merged.update(load_file(str(shard)))
-        return merged
-    binary = folder / "pytorch_model.bin"
-    if binary.exists():
-        return cast(dict[str, Tensor], torch.load(str(binary), map_location="cpu", weights_only=True))
-    raise DrafterFormatError(f"{folder}: no model.safetensors (or pytorch_model.bin)")
-
-
-def _normalize_weight_name(name: str) -> str:
-    for prefix in ("model.", "module."):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-    if name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0.") :]
-    return name
-
-
-def _config_from_native(data: dict[str, Any], path: Path, convention: str | None) -> DrafterConfig:
-    ids = data.get("eagle_aux_hidden_state_layer_ids")
-    eagle_config = data.get("eagle_config")
-    if ids is None and isinstance(eagle_config, Mapping):
-        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        raise DrafterFormatError(
-            f"{path}: no eagle_aux_hidden_state_layer_ids (top level or eagle_config); cannot tell which "
-            "target layers the drafter was trained on"
-        )
-    if convention is None:
-        raise DrafterFormatError(
-            f"{path}: published drafter without a 'draftloop' block: its eagle_aux_hidden_state_layer_ids "
-            f"{ids} may be in either convention; pass convention='layer_input' (vLLM) or 'layer_output' "
-            "(SGLang/SpecForge)"
-        )
-    try:
-        layer_ids = LayerIds.parse(ids, normalize_convention(convention)).to("layer_input")
-        arch = " ".join(data.get("architectures") or [])
-        attention: Attention = (
-            "mla" if data.get("model_type") in MLA_MODEL_TYPES or "Deepseek" in arch else "llama"
-        )
-        heads = int(data["num_attention_heads"])
-        hidden = int(data["hidden_size"])
-        theta, scaling = _rope_from_config(data)
-        values: dict[str, Any] = dict(
-            attention=attention,
-            hidden_size=hidden,
-            intermediate_size=int(data["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
-            hidden_act=str(data.get("hidden_act", "silu")),
-            vocab_size=int(data["vocab_size"]),
-            draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),
-            target_hidden_size=int(data.get("target_hidden_size") or hidden),
-            aux_layer_ids=layer_ids,
-        )
-        if attention == "mla":
-            values.update(
-                q_lora_rank=data.get("q_lora_rank"),
-                kv_lora_rank=int(data["kv_lora_rank"]),
-                qk_nope_head_dim=int(data["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(data["qk_rope_head_dim"]),
-                v_head_dim=int(data["v_head_dim"]),
-                num_key_value_heads=heads,
-            )
-            values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
-        return DrafterConfig(**values)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DrafterFormatError(f"{path}: cannot build a drafter config ({exc})") from exc
-
-
-def load_drafter(
-    path: str | os.PathLike[str],
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    convention: str | None = None,
-) -> Eagle3Drafter:
-    """Read a native drafter folder (ours, with its draftloop block, or a published one).
-
-    A published folder has no record of its ids' convention: pass ``convention`` for it.
-    A published checkpoint that carries ``embed_tokens.weight`` gets it attached.
-    """
-    folder = Path(path)
-    config_path = folder / "config.json"
-    data = _read_json(config_path)
-    block = data.get("draftloop")
-    if isinstance(block, Mapping) and "drafter_config" in block:
-        try:
-            config = DrafterConfig.from_json(block["drafter_config"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DrafterFormatError(f"{config_path}: invalid draftloop.drafter_config ({exc})") from exc
-    else:
-        config = _config_from_native(data, config_path, convention)
-    raw = _read_weights(folder)
-    weights = {_normalize_weight_name(k): v for k, v in raw.items()}
-    embed = weights.pop("embed_tokens.weight", None)
-    drafter = Eagle3Drafter(config)
-    expected = drafter.weights_state_dict()
-    if "d2t" not in weights and "t2d" not in weights and config.draft_vocab_size == config.vocab_size:
-        weights["d2t"] = expected["d2t"]
-        weights["t2d"] = expected["t2d"]
-    elif "t2d" not in weights and "d2t" in weights:
-        # SGLang-style checkpoints may omit t2d: rebuild it from d2t.
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(config.draft_vocab_size) + weights["d2t"].long()] = True
-        weights["t2d"] = t2d
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise DrafterFormatError(f"{folder}: weights missing {missing[:8]}")
-    unexpected = sorted(set(weights) - set(expected))
-    if unexpected:
-        raise DrafterFormatError(f"{folder}: unexpected weights {unexpected[:8]}")
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise DrafterFormatError(
-                f"{folder}: weight {name} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(expected[name].shape)}"
-            )
-    if dtype is None:
-        dtype = next((t.dtype for n, t in weights.items() if n.endswith("weight")), torch.float32)
-    drafter.load_state_dict(weights, strict=False)
-    drafter.to(device=device, dtype=dtype)
-    drafter.d2t = drafter.d2t.long()
-    drafter.t2d = drafter.t2d.bool()
-    if embed is not None:
-        drafter.attach_embeddings(embed)
-    return drafter
-
-
-def load_target_head(target_dir: str | os.PathLike[str]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(embed_tokens [V, H], lm_head [V, H], final norm weight [H] or None) of an HF target folder.
-
-    Reads only those tensors from the safetensors files (never the whole model); tied embeddings
-    (no lm_head tensor, or ``tie_word_embeddings``) return the embedding for both.
-    """
-    folder = Path(target_dir)
-    config = _read_json(folder / "config.json")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DrafterFormatError(f"{folder}: no *.safetensors files")
-    index_path = folder / "model.safetensors.index.json"
-    weight_map: dict[str, str] = {}
-    if index_path.exists():
-        weight_map = dict(_read_json(index_path).get("weight_map", {}))
-
-    def find(candidates: tuple[str, ...]) -> Tensor | None:
-        for name in candidates:
-            if weight_map:
-                if name in weight_map:
-                    with safe_open(str(folder / weight_map[name]), framework="pt") as handle:
-                        return handle.get_tensor(name)
-                continue
-            for file in files:
-                with safe_open(str(file), framework="pt") as handle:
-                    if name in handle.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                        return handle.get_tensor(name)
-        return None
-
-    prefixes = ("model.", "model.language_model.", "language_model.model.", "")
-    embed = find(tuple(f"{p}embed_tokens.weight" for p in prefixes))
-    if embed is None:
-        raise DrafterFormatError(f"{folder}: no embed_tokens.weight in its safetensors files")
-    raw_text_config = config.get("text_config")
-    text_config: dict[str, Any] = raw_text_config if isinstance(raw_text_config, dict) else {}
-    tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-    lm_head = None if tied else find(("lm_head.weight", "language_model.lm_head.weight"))
-    norm = find(tuple(f"{p}norm.weight" for p in prefixes))
-    return embed, (lm_head if lm_head is not None else embed), norm
-
-
-# --------------------------------------------------------------------------------------------- speculators
-
-
-def export_speculators(
-    drafter: Eagle3Drafter,
-    out_dir: str | os.PathLike[str],
-    verifier_path: str,
-    speculative_tokens: int = 3,
-    verifier_architectures: list[str] | None = None,
-) -> Path:
-    """Write the speculators-library format (``speculators_model_type: eagle3``), which vLLM also loads.
-
-    Llama attention only (speculators' eagle3 has no MLA layer). The ids are written in layer_input
-    convention (speculators generates its data through vLLM).
-    """
-    cfg = drafter.config
-    if cfg.attention != "llama":
-        raise ValueError("the speculators eagle3 format has no MLA drafter; export the native folder")
-    if cfg.target_hidden_size != cfg.hidden_size:
-        raise ValueError("speculators eagle3 needs target_hidden_size == hidden_size")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if verifier_architectures is None:
-        verifier_config = Path(verifier_path) / "config.json"
-        verifier_architectures = (
-            list(_read_json(verifier_config).get("architectures") or []) if verifier_config.exists() else []
-        )
-    layer_config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "num_hidden_layers": 1,
-        "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
-    }
-    ids = list(cfg.aux_layer_ids.to_engine("vllm").ids)
-    config = {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "speculators_version": "0.9.0",
-        "transformer_layer_config": layer_config,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": ids,
-        # Our layer keeps the raw hidden state as the residual (vLLM's default); speculators' config
-        # reader in vLLM defaults this flag to True, so it must be explicit.
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": False,
-        "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": int(speculative_tokens),
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier_path), "architectures": verifier_architectures},
-        },
-        "draftloop": {
-            "format_version": FORMAT_VERSION,
-            "aux_layer_ids": list(cfg.aux_layer_ids.ids),
-            "aux_layer_ids_convention": "layer_input",
-            "convention_exported": "layer_input",
-            "engine": "speculators",
-        },
-    }
-    tensors: dict[str, Tensor] = {}
-    for name, tensor in drafter.weights_state_dict().items():
-        if name in ("d2t", "t2d") and cfg.draft_vocab_size == cfg.vocab_size:
-            continue  # speculators has no vocabulary tables for a full draft vocabulary
-        native = "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
-        tensors[native] = tensor.cpu()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out

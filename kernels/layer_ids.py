@@ -2,12 +2,13 @@
 
 Two conventions exist in the wild and differ by one (see DESIGN.md, "Layer ids"):
 
-- ``layer_input`` (vLLM, internal): id k = the hidden state entering decoder layer k, i.e. the index into
+- ``layer_input`` (internal): id k = the hidden state entering decoder layer k, i.e. the index into
   Hugging Face ``output_hidden_states``. Valid 0..N-1.
-- ``layer_output`` (SGLang / SpecForge): id k = the output of decoder layer k = ``layer_input`` k+1.
-  Valid 0..N-2 (the output of the last layer is not a residual-stream state any engine captures).
+- ``layer_output``: id k = the output of decoder layer k = ``layer_input`` k+1. Valid 0..N-2 (the
+  output of the last layer is not a residual-stream state any engine captures).
 
-Everything draftloop stores uses ``layer_input``; conversion happens only at export time.
+Everything draftloop stores uses ``layer_input``; conversion happens only at export time, into the
+convention the serving engine declares (infra/engines/).
 """
 
 from __future__ import annotations
@@ -17,31 +18,19 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 Convention = Literal["layer_input", "layer_output"]
-Engine = Literal["vllm", "sglang"]
 
 CONVENTIONS: tuple[Convention, ...] = ("layer_input", "layer_output")
-# Names accepted in configs and published checkpoints, mapped to the canonical convention.
-CONVENTION_ALIASES: dict[str, Convention] = {
-    "layer_input": "layer_input",
-    "vllm": "layer_input",
-    "layer_output": "layer_output",
-    "sglang": "layer_output",
-    "specforge": "layer_output",
-}
-ENGINE_CONVENTION: dict[str, Convention] = {"vllm": "layer_input", "sglang": "layer_output"}
 
 # Offset added to an id to express it in layer_input convention.
 _OFFSET_TO_INPUT: dict[Convention, int] = {"layer_input": 0, "layer_output": 1}
 
 
 def normalize_convention(name: str) -> Convention:
-    """Canonical convention for ``name`` (aliases vllm/sglang/specforge accepted)."""
+    """``name`` checked as a convention (which engine reads which is the engine modules' knowledge)."""
     key = str(name).strip().lower()
-    if key not in CONVENTION_ALIASES:
-        raise ValueError(
-            f"unknown layer-id convention {name!r}; expected one of {sorted(CONVENTION_ALIASES)}"
-        )
-    return CONVENTION_ALIASES[key]
+    if key not in CONVENTIONS:
+        raise ValueError(f"unknown layer-id convention {name!r}; expected one of {list(CONVENTIONS)}")
+    return cast(Convention, key)
 
 
 @dataclass(frozen=True)
@@ -52,7 +41,7 @@ class LayerIds:
     convention: Convention = "layer_input"
 
     def __post_init__(self) -> None:
-        # Accept lists and aliases at construction so callers can pass config values straight through.
+        # Accept lists at construction so callers can pass config values straight through.
         ids = tuple(int(i) for i in self.ids)
         for raw in self.ids:
             if isinstance(raw, bool) or int(raw) != raw:
@@ -68,8 +57,8 @@ class LayerIds:
 
     @classmethod
     def parse(cls, ids: Iterable[int], convention: str = "layer_input") -> LayerIds:
-        """Build from config values (a list and a convention name or alias)."""
-        return cls(tuple(ids), cast(Convention, normalize_convention(convention)))
+        """Build from config values (a list and a convention name)."""
+        return cls(tuple(ids), normalize_convention(convention))
 
     def to(self, convention: str) -> LayerIds:
         """The same layers expressed in ``convention``; ValueError when one has no id there."""
@@ -84,13 +73,6 @@ class LayerIds:
                 f"(the embedding output, layer_input 0, is not the output of any layer)"
             )
         return LayerIds(converted, target)
-
-    def to_engine(self, engine: str) -> LayerIds:
-        """The ids in the convention ``engine`` ("vllm" | "sglang") reads from a drafter's config."""
-        key = str(engine).strip().lower()
-        if key not in ENGINE_CONVENTION:
-            raise ValueError(f"unknown engine {engine!r}; expected one of {sorted(ENGINE_CONVENTION)}")
-        return self.to(ENGINE_CONVENTION[key])
 
     def valid_range(self, depth: int) -> tuple[int, int]:
         """Inclusive range of valid ids for a target with ``depth`` decoder layers, in this convention."""

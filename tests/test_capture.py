@@ -75,7 +75,9 @@ def test_capture_equals_output_hidden_states(tiny_model: Any) -> None:
 def test_capture_converts_layer_output_ids(tiny_model: Any) -> None:
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
     as_input = capture_aux_hidden_states(tiny_model, ids, LayerIds((1, 3, 5)), want_last=False)
-    as_output = capture_aux_hidden_states(tiny_model, ids, LayerIds((0, 2, 4), "sglang"), want_last=False)
+    as_output = capture_aux_hidden_states(
+        tiny_model, ids, LayerIds((0, 2, 4), "layer_output"), want_last=False
+    )
     assert as_input.last is None and as_input.logits is None
     assert torch.equal(as_input.aux, as_output.aux)
 
@@ -115,7 +117,7 @@ def test_shard_pack_iterate_and_bytes_round_trip() -> None:
     assert packed["seq_offsets"].tolist() == [0, 5, 6, 15]
     assert packed["input_ids"].dtype == torch.int64 and packed["loss_mask"].dtype == torch.uint8
     assert packed["aux_hidden"].shape == (15, 96) and packed["last_hidden"].shape == (15, 32)
-    meta = shard_metadata(LayerIds((0, 2, 4), "sglang"), "tiny-llama", rows=3)
+    meta = shard_metadata(LayerIds((0, 2, 4), "layer_output"), "tiny-llama", rows=3)
     data = shard_to_bytes(packed, meta)
     tensors, metadata = shard_from_bytes(data)
     assert json.loads(metadata["aux_layer_ids"]) == [1, 3, 5]

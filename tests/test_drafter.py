@@ -17,17 +17,16 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from draftloop.kernels.drafter import (
-    DrafterConfig,
+from draftloop.kernels.checkpoint import (
     DrafterFormatError,
-    Eagle3Drafter,
     LayerIdExportError,
     export_speculators,
     load_drafter,
     load_target_head,
     save_drafter,
 )
-from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+from draftloop.kernels.layer_ids import Convention, LayerIds
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
 
 HIDDEN = 32
@@ -108,7 +107,7 @@ def test_for_target_picks_attention_from_model_type() -> None:
     with pytest.raises(ValueError, match=r"valid ids are 0\.\.5"):
         DrafterConfig.for_target(llama_target_config(), LayerIds((1, 3, 6)))
     # Layer-output ids are stored as layer_input.
-    cfg = DrafterConfig.for_target(llama_target_config(), LayerIds((0, 2, 4), "sglang"))
+    cfg = DrafterConfig.for_target(llama_target_config(), LayerIds((0, 2, 4), "layer_output"))
     assert cfg.aux_layer_ids == LayerIds((1, 3, 5), "layer_input")
 
 
@@ -197,25 +196,29 @@ def _compare_attention(ours: Any, ref: Any, rotary: Any) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mla"])
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_save_load_identical_logits(kind: str, engine: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("convention", ["layer_input", "layer_output"])
+def test_save_load_identical_logits(kind: str, convention: Convention, tmp_path: Path) -> None:
     drafter = make_drafter(kind, draft_vocab=20)
     drafter.set_vocab_mapping(*build_draft_vocab(torch.arange(VOCAB), VOCAB, 20))
-    out = save_drafter(drafter, tmp_path / "d", engine=engine, metadata={"run": "abc"})
+    out = save_drafter(
+        drafter,
+        tmp_path / "d",
+        convention=convention,
+        engine="some-engine",
+        extra_config={"engine_block": {"ids": [7]}},
+        metadata={"run": "abc"},
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 1
     assert config["vocab_size"] == VOCAB and config["draft_vocab_size"] == 20
-    expected_ids = [1, 3, 5] if engine == "vllm" else [0, 2, 4]
+    expected_ids = [1, 3, 5] if convention == "layer_input" else [0, 2, 4]
     assert config["eagle_aux_hidden_state_layer_ids"] == expected_ids
+    assert config["engine_block"] == {"ids": [7]}  # an engine's extra keys, written as given
     block = config["draftloop"]
     assert block["aux_layer_ids"] == [1, 3, 5] and block["aux_layer_ids_convention"] == "layer_input"
-    assert block["convention_exported"] == ("layer_input" if engine == "vllm" else "layer_output")
+    assert block["convention_exported"] == convention
+    assert block["engine"] == "some-engine"
     assert block["metadata"] == {"run": "abc"}
-    if engine == "sglang":
-        assert config["eagle_config"] == {
-            "eagle_aux_hidden_state_layer_ids": [0, 2, 4],
-            "use_aux_hidden_state": True,
-        }
     if kind == "llama":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     else:
@@ -254,13 +257,13 @@ def test_load_bf16_and_dtype_override(tmp_path: Path) -> None:
 
 def test_published_folder_needs_a_convention(tmp_path: Path) -> None:
     drafter = make_drafter("llama")
-    out = save_drafter(drafter, tmp_path / "d", engine="sglang")
+    out = save_drafter(drafter, tmp_path / "d", convention="layer_output")
     config = json.loads((out / "config.json").read_text())
     del config["draftloop"]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(DrafterFormatError, match=r"config\.json.*convention"):
         load_drafter(out)
-    loaded = load_drafter(out, convention="sglang")
+    loaded = load_drafter(out, convention="layer_output")
     assert loaded.config.aux_layer_ids == LayerIds((1, 3, 5), "layer_input")
     loaded = load_drafter(out, convention="layer_input")
     assert loaded.config.aux_layer_ids == LayerIds((0, 2, 4), "layer_input")
@@ -283,7 +286,7 @@ def test_published_folder_with_layers_prefix_and_embedding(tmp_path: Path) -> No
     config = json.loads((out / "config.json").read_text())
     del config["draftloop"]
     (out / "config.json").write_text(json.dumps(config))
-    loaded = load_drafter(out, convention="vllm")
+    loaded = load_drafter(out, convention="layer_input")
     assert loaded.embed_weight is not None
     aux, ids, positions = inputs()
     with torch.no_grad():
@@ -369,14 +372,14 @@ def test_export_with_other_layer_ids_is_refused_naming_both_sets(tmp_path: Path)
     trained = list(drafter.config.aux_layer_ids.ids)
     shifted = LayerIds(tuple(i - 1 for i in trained), "layer_input")
     with pytest.raises(LayerIdExportError) as refused:
-        save_drafter(drafter, tmp_path / "bad", engine="vllm", layer_ids=shifted)
+        save_drafter(drafter, tmp_path / "bad", layer_ids=shifted)
     assert str(trained) in str(refused.value) and str(list(shifted.ids)) in str(refused.value)
     assert not (tmp_path / "bad" / "config.json").exists()  # nothing half-written
-    # The same tensors named in SGLang's convention are the trained ids: accepted.
+    # The same tensors named in the layer_output convention are the trained ids: accepted.
     same = LayerIds(tuple(i - 1 for i in trained), "layer_output")
-    save_drafter(drafter, tmp_path / "ok", engine="sglang", layer_ids=same)
+    save_drafter(drafter, tmp_path / "ok", convention="layer_output", layer_ids=same)
     # Forced (to measure what a wrong export costs): the engine gets the shifted ids, the record stays true.
-    save_drafter(drafter, tmp_path / "forced", engine="vllm", layer_ids=shifted, allow_layer_mismatch=True)
+    save_drafter(drafter, tmp_path / "forced", layer_ids=shifted, allow_layer_mismatch=True)
     config = json.loads((tmp_path / "forced" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == list(shifted.ids)
     assert config["draftloop"]["aux_layer_ids"] == trained

@@ -210,10 +210,12 @@ def test_teacher_forced_estimate_on_rigged_pairs(zoo_target_dir: Callable[[str],
 def test_refuses_layer_ids_the_drafter_was_not_trained_on(
     zoo_target_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    from draftloop.kernels.drafter import load_drafter, save_drafter
+    from draftloop.kernels.checkpoint import load_drafter, save_drafter
 
     target, tokenizer = load_target(zoo_target_dir("tiny-llama"))
-    save_drafter(untrained_drafter(target, LayerIds((1, 3, 5))), tmp_path / "drafter", engine="sglang")
+    save_drafter(
+        untrained_drafter(target, LayerIds((1, 3, 5))), tmp_path / "drafter", convention="layer_output"
+    )
     drafter = load_drafter(tmp_path / "drafter")  # ids come back from the draftloop block, layer_input
     drafter.attach_embeddings(target.get_input_embeddings().weight)
     with pytest.raises(LayerIdMismatchError) as refused:
@@ -258,7 +260,7 @@ def test_refuses_layer_ids_the_drafter_was_not_trained_on(
 def cli_folders(
     zoo_target_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    from draftloop.kernels.drafter import save_drafter
+    from draftloop.kernels.checkpoint import save_drafter
 
     target_dir = zoo_target_dir("tiny-llama")
     target, _ = load_target(target_dir)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from draftloop.kernels.capture import capture_aux_hidden_states
-from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
+from draftloop.kernels.checkpoint import load_drafter, save_drafter
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import TrainConfig, collate_samples, draft_target_head, train_drafter, ttt_loss
 from draftloop.kernels.vocab import build_draft_vocab

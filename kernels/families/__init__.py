@@ -1,0 +1,1 @@
+"""Target families, one module each; `base` holds `TargetFamily` and the registry (see its docstring)."""

@@ -1,0 +1,198 @@
+"""Target families: everything draftloop must know about one kind of target model, in one object.
+
+A family names the Hugging Face `model_type`s it covers and says
+- where the decoder layers and the final norm are (what `capture` hooks),
+- which attention the drafter uses (`drafter_attention`) and the attention-specific drafter config
+  fields read from the target's config (`drafter_config_fields`),
+- the default aux layer ids for a target of a given depth,
+- which engine-side patches serving it may need (`engine_patches`: names of the vLLM plugin's patches,
+  each a no-op on an engine that supports the family natively).
+
+Adding a family = one module in kernels/families/ that calls `register_family(...)` at import; the
+registry imports every module of this package on first lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from ..layer_ids import LayerIds
+
+__all__ = [
+    "DrafterAttention",
+    "FamilyRegistrationError",
+    "TargetFamily",
+    "UnknownFamilyError",
+    "config_value",
+    "family_for_config",
+    "get_family",
+    "known_families",
+    "language_model_config",
+    "register_family",
+]
+
+DrafterAttention = Literal["llama", "mla"]
+
+
+class FamilyRegistrationError(ValueError):
+    """A family whose name or model_type another registered family already has."""
+
+
+class UnknownFamilyError(ValueError):
+    """No registered family covers a model_type (or a family name); the message lists the known ones."""
+
+
+_REQUIRED: Any = object()
+
+
+def language_model_config(config: Any) -> Any:
+    """The language-model part of a config (object or mapping): targets wrapped for multimodality
+    (e.g. Kimi-K2.5) keep the decoder's fields, and its own model_type, in `text_config`."""
+    if isinstance(config, Mapping):
+        text = config.get("text_config")
+        if "hidden_size" not in config and isinstance(text, Mapping):
+            merged = dict(text)
+            merged.setdefault("model_type", config.get("model_type"))
+            return merged
+        return dict(config)
+    if getattr(config, "hidden_size", None) is None and getattr(config, "text_config", None) is not None:
+        return config.text_config
+    return config
+
+
+def config_value(config: Any, name: str, default: Any = _REQUIRED) -> Any:
+    """`name` of a config object or mapping; a missing or null value gives `default`, or raises."""
+    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"model config has no {name!r}")
+        return default
+    return value
+
+
+@dataclass(frozen=True)
+class TargetFamily:
+    """One family of target models. The methods are the Llama-like defaults; a family overrides what
+    differs (subclass and register an instance)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    drafter_attention: DrafterAttention = "llama"
+    engine_patches: tuple[str, ...] = ()
+
+    def decoder(self, model: nn.Module) -> nn.Module:
+        """The module holding the decoder layers (runs the stack without the lm_head)."""
+        candidates: list[Any] = []
+        get_decoder = getattr(model, "get_decoder", None)
+        if callable(get_decoder):
+            with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
+                candidates.append(get_decoder())
+        inner = getattr(model, "model", None)
+        candidates += [inner, getattr(inner, "language_model", None), model]
+        for candidate in candidates:
+            layers = getattr(candidate, "layers", None)
+            if isinstance(candidate, nn.Module) and isinstance(layers, nn.ModuleList):
+                return candidate
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no .layers ModuleList)")
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder layers; layer_input id k is the hidden state entering layer k."""
+        layers = self.decoder(model).layers
+        assert isinstance(layers, nn.ModuleList)
+        return layers
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm after the last layer (its output times lm_head = the logits)."""
+        decoder = self.decoder(model)
+        norm = getattr(decoder, "norm", None) or getattr(decoder, "final_layernorm", None)
+        if not isinstance(norm, nn.Module):
+            raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+        return norm
+
+    def default_aux_layer_ids(self, depth: int) -> LayerIds:
+        """The target layers a drafter fuses when the config names none (layer_input convention)."""
+        return LayerIds.default_for_depth(depth)
+
+    def drafter_config_fields(self, target_config: Any) -> dict[str, Any]:
+        """Attention-specific `DrafterConfig` fields for a drafter of this family's target (grouped-query
+        attention: key/value heads and head size)."""
+        config = language_model_config(target_config)
+        heads = int(config_value(config, "num_attention_heads"))
+        hidden = int(config_value(config, "hidden_size"))
+        return {
+            "num_key_value_heads": int(config_value(config, "num_key_value_heads", heads)),
+            "head_dim": int(config_value(config, "head_dim", hidden // heads)),
+        }
+
+
+_FAMILIES: dict[str, TargetFamily] = {}
+_BY_MODEL_TYPE: dict[str, TargetFamily] = {}
+_discovered = False
+
+
+def register_family(family: TargetFamily) -> TargetFamily:
+    """Make `family` known; a name or model_type that is taken already is refused."""
+    if family.name in _FAMILIES:
+        raise FamilyRegistrationError(f"target family {family.name!r} is registered twice")
+    taken = {t: _BY_MODEL_TYPE[t].name for t in family.model_types if t in _BY_MODEL_TYPE}
+    if taken:
+        raise FamilyRegistrationError(
+            f"target family {family.name!r} claims model_type(s) already registered: "
+            + ", ".join(f"{model_type!r} (family {owner!r})" for model_type, owner in taken.items())
+        )
+    if not family.model_types:
+        raise FamilyRegistrationError(f"target family {family.name!r} names no model_type")
+    _FAMILIES[family.name] = family
+    for model_type in family.model_types:
+        _BY_MODEL_TYPE[model_type] = family
+    return family
+
+
+def _discover() -> None:
+    """Import every module of this package once: each registers its family."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = __name__.rsplit(".", 1)[0]
+    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        if module.name != "base":
+            importlib.import_module(f"{package}.{module.name}")
+
+
+def known_families() -> list[TargetFamily]:
+    """Every registered family, by name."""
+    _discover()
+    return [_FAMILIES[name] for name in sorted(_FAMILIES)]
+
+
+def _known() -> str:
+    return "; ".join(f"{f.name} ({', '.join(f.model_types)})" for f in known_families())
+
+
+def get_family(name: str) -> TargetFamily:
+    """The family registered as `name`."""
+    _discover()
+    if name not in _FAMILIES:
+        raise UnknownFamilyError(f"unknown target family {name!r}; known families: {_known()}")
+    return _FAMILIES[name]
+
+
+def family_for_config(config: Any) -> TargetFamily:
+    """The family of a model config (a transformers config or its dict), by its model_type."""
+    _discover()
+    model_type = config_value(language_model_config(config), "model_type", None)
+    family = _BY_MODEL_TYPE.get(str(model_type)) if model_type else None
+    if family is None:
+        raise UnknownFamilyError(
+            f"no target family for model_type {model_type!r}; known families: {_known()} "
+            "(adding one = a module in kernels/families/)"
+        )
+    return family
