@@ -9,6 +9,6 @@ _SPECULATORS_DIR = Path(__file__).resolve().parents[1] / ".venvs" / "speculators
 if _SPECULATORS_DIR.is_dir():
     sys.path.append(str(_SPECULATORS_DIR))
 
-from fixtures_engine import engine_zoo_target, tiny_stablelm_dir  # noqa: E402, F401
+from fixtures_engine import tiny_stablelm_dir  # noqa: E402, F401
 from fixtures_flow import first_cycle, flow_env  # noqa: E402, F401
 from fixtures_kernels import trained_pair, zoo_target_dir  # noqa: E402, F401

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from draftloop.infra.engines.base import EngineSettings, get_engine
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+from draftloop.kernels.layer_ids import LayerIds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
@@ -112,6 +113,16 @@ ValueError: a line that looks like an exception but follows no traceback
 """
 
 
+def tiny_llama_drafter(trained: LayerIds) -> Eagle3Drafter:
+    """An untrained drafter for a 6-layer Llama-like target (for export and layer-id tests)."""
+    target_config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256, "hidden_act": "silu", "rope_theta": 10000.0,
+    }  # fmt: skip
+    return Eagle3Drafter(DrafterConfig.for_target(target_config, trained))
+
+
 def write_config(folder: Path, config: dict[str, Any]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
@@ -196,19 +207,3 @@ def tiny_stablelm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     finally:
         zoo.RECIPES.pop(recipe.name, None)
-
-
-@pytest.fixture(scope="session")
-def engine_zoo_target(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """recipe -> zoo target folder for the engine tests (shared with fixtures_kernels when present)."""
-    from draftloop.infra.zoo import create_tiny_model
-
-    root = tmp_path_factory.mktemp("engine-zoo-targets")
-    built: dict[str, Path] = {}
-
-    def get(recipe: str) -> Path:
-        if recipe not in built:
-            built[recipe] = create_tiny_model(recipe, root / recipe, seed=0)
-        return built[recipe]
-
-    return get

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 from fake_engine import FakeEngine, fake_engine
-from fixtures_engine import write_config
+from fixtures_engine import tiny_llama_drafter, write_config
 
 from draftloop.infra.config import ConfigError, ExperimentConfig
 from draftloop.infra.engines.base import EngineError, get_engine, known_engines, register_engine
 from draftloop.infra.engines.server import EngineServer
-from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.yaml"
@@ -23,15 +22,6 @@ TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.ya
 def _config(tmp_path: Path, **overrides: object) -> ExperimentConfig:
     values = {"engine.python": sys.executable, "storage.root": str(tmp_path / "runs"), **overrides}
     return ExperimentConfig.load(TINY_LLAMA, values, base_dir=tmp_path)
-
-
-def _drafter(trained: LayerIds) -> Eagle3Drafter:
-    target_config = {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 256, "hidden_act": "silu", "rope_theta": 10000.0,
-    }  # fmt: skip
-    return Eagle3Drafter(DrafterConfig.for_target(target_config, trained))
 
 
 def test_the_fake_engine_is_registered_and_accepted_by_the_config(tmp_path: Path) -> None:
@@ -75,7 +65,7 @@ def test_registering_a_kind_twice_is_an_error() -> None:
 def test_export_and_layer_ids_go_through_the_engine(tmp_path: Path) -> None:
     trained = LayerIds((1, 3, 5), "layer_input")
     engine = get_engine("fake")
-    out = engine.export_drafter(_drafter(trained), tmp_path / "drafter")
+    out = engine.export_drafter(tiny_llama_drafter(trained), tmp_path / "drafter")
     config = json.loads((out / "config.json").read_text())
     # layer_output numbering: the same tensors one lower, in the engine's own block too.
     assert config["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]

@@ -24,6 +24,7 @@ from fixtures_engine import (
     VLLM_LOG_WORKER_TRACEBACK,
     VLLM_METRICS_AFTER,
     VLLM_METRICS_BEFORE,
+    tiny_llama_drafter,
     write_config,
 )
 from pydantic import model_validator
@@ -43,7 +44,6 @@ from draftloop.infra.engines.doctor import describe_family, format_report
 from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing
 from draftloop.infra.engines.server import EngineServer, EngineStartError, clean_stale_servers
 from draftloop.kernels.counters import SpecCounters
-from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 
 PLUGIN_DIR = Path(__file__).resolve().parent.parent / "infra" / "engines" / "vllm_plugin_pkg"
@@ -118,13 +118,8 @@ def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
 
 
 def test_export_uses_each_engines_layer_id_convention(tmp_path: Path) -> None:
-    target_config = {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 256, "hidden_act": "silu", "rope_theta": 10000.0,
-    }  # fmt: skip
     trained = LayerIds((1, 3, 5), "layer_input")
-    drafter = Eagle3Drafter(DrafterConfig.for_target(target_config, trained))
+    drafter = tiny_llama_drafter(trained)
     vllm, sglang = get_engine("vllm"), get_engine("sglang")
     vllm_dir = vllm.export_drafter(drafter, tmp_path / "vllm")
     sglang_dir = sglang.export_drafter(drafter, tmp_path / "sglang")

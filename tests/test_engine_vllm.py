@@ -2,6 +2,7 @@
 
 Each server start costs about a minute on this machine, so servers are shared: one evaluation per target
 (baseline + speculative server) feeds several tests, and the off-by-one drafter reuses the baseline run.
+The MLA pair (tiny-deepseek, served in bf16) is evaluated through the product's flow in test_flow_mla.py.
 """
 
 from __future__ import annotations
@@ -46,16 +47,14 @@ K = 3
 TOLERANCE = 0.05
 
 
-def _evaluate_pair(
-    pair: Any, root: Path, dtype: str = "float32"
-) -> tuple[Path, SimulatorFigures, EvalReport]:
+def _evaluate_pair(pair: Any, root: Path) -> tuple[Path, SimulatorFigures, EvalReport]:
     require_vllm_env()
     drafter_dir = export_for_vllm(pair.drafter, root / "drafter")
     simulation = simulate_acceptance(
         pair.target, pair.tokenizer, pair.drafter, pair.held_out_prompts, k=K, max_new_tokens=MAX_TOKENS
     )
     simulator = SimulatorFigures.from_report(simulation)
-    engine = get_engine("vllm", vllm_settings(dtype=dtype))
+    engine = get_engine("vllm", vllm_settings())
     report = evaluate(
         engine, pair.target_dir, drafter_dir, pair.held_out_prompts, root / "eval",
         max_tokens=MAX_TOKENS, concurrency=CONCURRENCY, num_speculative_tokens=K,
@@ -76,19 +75,6 @@ def llama_eval(
 ) -> tuple[Any, Path, SimulatorFigures, EvalReport]:
     pair = trained_pair("tiny-llama")
     drafter_dir, simulator, report = _evaluate_pair(pair, tmp_path_factory.mktemp("vllm-llama"))
-    return pair, drafter_dir, simulator, report
-
-
-@pytest.fixture(scope="module")
-def deepseek_eval(
-    trained_pair: Callable[[str], Any], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Any, Path, SimulatorFigures, EvalReport]:
-    pair = trained_pair("tiny-deepseek")
-    assert pair.drafter.config.attention == "mla"
-    # vLLM's CPU MoE kernel takes no float32 weights ("expect weight to be bfloat16, ..."): serve in bf16.
-    drafter_dir, simulator, report = _evaluate_pair(
-        pair, tmp_path_factory.mktemp("vllm-deepseek"), "bfloat16"
-    )
     return pair, drafter_dir, simulator, report
 
 
@@ -147,13 +133,6 @@ def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path
     assert acceptance is not None and simulator.acceptance_rate - acceptance["acceptance_rate"] > TOLERANCE
     assert report.lossless  # still lossless: the verifier rejects the bad drafts
     assert acceptance is not None and acceptance["num_drafts"] > 0
-
-
-def test_tiny_deepseek_with_mla_drafter(deepseek_eval: Any) -> None:
-    _pair, drafter_dir, simulator, report = deepseek_eval
-    config = json.loads((drafter_dir / "config.json").read_text())
-    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    _assert_consistent(report, simulator)
 
 
 def test_standard_attention_drafter_on_mla_target_refused_before_startup(
@@ -221,12 +200,10 @@ def test_architecture_without_eagle3_served_after_plugin_patch(
         assert tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == served
 
 
-def test_bad_flag_fails_fast_with_log_excerpt(
-    engine_zoo_target: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_bad_flag_fails_fast_with_log_excerpt(zoo_target_dir: Callable[[str], Path], tmp_path: Path) -> None:
     require_vllm_env()
     engine = get_engine("vllm", vllm_settings(extra_args=("--no-such-flag", "1")))
-    server = EngineServer(engine, engine_zoo_target("tiny-llama"), tmp_path / "run")
+    server = EngineServer(engine, zoo_target_dir("tiny-llama"), tmp_path / "run")
     started = time.monotonic()
     with pytest.raises(EngineStartError) as info, server:
         pass
@@ -237,9 +214,9 @@ def test_bad_flag_fails_fast_with_log_excerpt(
     assert server.process is not None and server.process.poll() is not None
 
 
-def test_engine_doctor_cli_on_a_native_target(engine_zoo_target: Callable[[str], Path]) -> None:
+def test_engine_doctor_cli_on_a_native_target(zoo_target_dir: Callable[[str], Path]) -> None:
     require_vllm_env()
-    target = engine_zoo_target("tiny-llama")
+    target = zoo_target_dir("tiny-llama")
     result = CliRunner().invoke(
         app, ["engine", "doctor", "--target", str(target), "--python", str(vllm_settings().python), "--json"]
     )

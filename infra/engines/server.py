@@ -342,14 +342,10 @@ class EngineServer:
         except OSError:
             return ""
 
-    def log_excerpt(self, max_chars: int = 4000, anchor: str | None = None) -> str:
-        """The end of the log, starting at the last traceback (or `anchor`) when there is one."""
+    def log_excerpt(self, max_chars: int = 4000) -> str:
+        """The end of the log, starting at the last traceback when there is one."""
         text = self.read_log()
-        start = -1
-        if anchor:
-            start = text.rfind(anchor)
-        if start < 0:
-            start = text.rfind("Traceback (most recent call last)")
+        start = text.rfind("Traceback (most recent call last)")
         excerpt = text[start:] if start >= 0 else text
         if len(excerpt) > max_chars:
             excerpt = "...\n" + excerpt[-max_chars:]
@@ -373,24 +369,21 @@ class EngineServer:
             name, line = fatal
             pattern = next(p for p in self.engine.fatal_patterns if p.name == name)
             hint = f" ({pattern.hint})" if pattern.hint else ""
-            excerpt = self.log_excerpt(anchor=None)
-            self.stop()
-            raise EngineStartError(
-                f"{self.engine.kind} server {self.name!r} failed after {elapsed:.1f}s: {line.strip()}{hint}",
-                log_excerpt=excerpt,
-                log_path=self.log_path,
-                elapsed_s=elapsed,
-                pattern=name,
-            )
+            raise self._start_failure(f"failed after {elapsed:.1f}s: {line.strip()}{hint}", elapsed, name)
         if code is not None:
-            excerpt = self.log_excerpt()
-            self.stop()
-            raise EngineStartError(
-                f"{self.engine.kind} server {self.name!r} exited with code {code} after {elapsed:.1f}s",
-                log_excerpt=excerpt,
-                log_path=self.log_path,
-                elapsed_s=elapsed,
-            )
+            raise self._start_failure(f"exited with code {code} after {elapsed:.1f}s", elapsed)
+
+    def _start_failure(self, what: str, elapsed: float, pattern: str | None = None) -> EngineStartError:
+        """Stop the server and describe why it never became ready (the caller raises it)."""
+        excerpt = self.log_excerpt()
+        self.stop()
+        return EngineStartError(
+            f"{self.engine.kind} server {self.name!r} {what}",
+            log_excerpt=excerpt,
+            log_path=self.log_path,
+            elapsed_s=elapsed,
+            pattern=pattern,
+        )
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
         """Block until /health and /v1/models answer; returns the start-up time in seconds."""
@@ -411,15 +404,9 @@ class EngineServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    excerpt = self.log_excerpt()
                     elapsed = time.monotonic() - self._started_at
-                    self.stop()
-                    raise EngineStartError(
-                        f"{self.engine.kind} server {self.name!r} not ready after {elapsed:.0f}s "
-                        f"(engine.startup_timeout_s)",
-                        log_excerpt=excerpt,
-                        log_path=self.log_path,
-                        elapsed_s=elapsed,
+                    raise self._start_failure(
+                        f"not ready after {elapsed:.0f}s (engine.startup_timeout_s)", elapsed
                     )
                 time.sleep(_POLL_S)
         self.startup_s = time.monotonic() - self._started_at
@@ -504,28 +491,13 @@ class EngineServer:
 class EngineServerActor:
     """Hosts one EngineServer inside a Ray actor (on the node and GPUs Ray gives it).
 
-    Create with `EngineServerActor.options_for(settings).remote(engine, target_dir, run_dir, ...)`:
-    num_gpus comes from the engine config (0 on CPU); `engine` travels pickled. The benchmark client
-    talks to the url `start()` returns over HTTP.
+    Create with `EngineServerActor.options_for(settings).remote(EngineServer(...))`: num_gpus comes from
+    the engine config (0 on CPU); the server, not started yet, travels pickled and starts on the actor's
+    node. The benchmark client talks to the url `start()` returns over HTTP.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        target_dir: str,
-        run_dir: str,
-        name: str = "baseline",
-        drafter_dir: str | None = None,
-        num_speculative_tokens: int | None = None,
-    ) -> None:
-        self.server = EngineServer(
-            engine,
-            Path(target_dir),
-            Path(run_dir),
-            name=name,
-            drafter_dir=Path(drafter_dir) if drafter_dir else None,
-            num_speculative_tokens=num_speculative_tokens,
-        )
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
 
     def start(self) -> dict[str, Any]:
         """Start and wait until ready; returns url, startup_s, log path (EngineStartError propagates)."""

@@ -47,28 +47,10 @@ class SglangEngine(Engine):
 
     def server_command(self, spec: ServerSpec) -> list[str]:
         s = self.settings
-        argv = [
-            str(self.python),
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(spec.target_dir),
-            "--served-model-name",
-            spec.served_model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(spec.port),
-            "--dtype",
-            s.dtype,
-            "--context-length",
-            str(s.max_model_len),
-            "--max-running-requests",
-            str(s.max_num_seqs),
-            "--random-seed",
-            "0",
-            "--enable-metrics",
-        ]
+        argv = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(spec.target_dir)]
+        argv += ["--served-model-name", spec.served_model_name, "--enable-metrics"]
+        argv += ["--host", "127.0.0.1", "--port", str(spec.port), "--dtype", s.dtype, "--random-seed", "0"]
+        argv += ["--context-length", str(s.max_model_len), "--max-running-requests", str(s.max_num_seqs)]
         if s.enforce_eager:
             argv.append("--disable-cuda-graph")
         if spec.drafter_dir is not None:

@@ -92,27 +92,10 @@ class VllmEngine(Engine):
 
     def server_command(self, spec: ServerSpec) -> list[str]:
         s = self.settings
-        argv = [
-            str(self.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(spec.target_dir),
-            "--served-model-name",
-            spec.served_model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(spec.port),
-            "--dtype",
-            s.dtype,
-            "--max-model-len",
-            str(s.max_model_len),
-            "--max-num-seqs",
-            str(s.max_num_seqs),
-            "--seed",
-            "0",
-        ]
+        argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.target_dir)]
+        argv += ["--served-model-name", spec.served_model_name]
+        argv += ["--host", "127.0.0.1", "--port", str(spec.port), "--dtype", s.dtype, "--seed", "0"]
+        argv += ["--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs)]
         if s.enforce_eager:
             argv.append("--enforce-eager")
         if s.num_gpus <= 0:
