@@ -8,6 +8,7 @@ that export, layer-id reading and metric parsing all went through this class.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from draftloop.kernels.layer_ids import LayerIds
 
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_engine_server.py"
 METRIC_PREFIX = "fake_spec_"
+DOCTOR_PATCH = {"name": "eagle3_enabler", "status": "applied", "detail": "fake"}
 
 
 @register_engine
@@ -77,6 +79,11 @@ class FakeEngine(Engine):
 
     def version_probe_code(self) -> str:
         return "print('fake-0.1')"
+
+    def doctor_command(self, target_dir: Path, drafter_dir: Path | None) -> list[str]:
+        # A probe in the engine's Python: it "applied" the one patch it knows.
+        report = {"engine_version": "fake-0.1", "patches": [DOCTOR_PATCH]}
+        return [str(self.python), "-c", f"print('DRAFTLOOP_DOCTOR ' + {json.dumps(json.dumps(report))})"]
 
 
 def fake_engine(*extra_args: str, timeout_s: float = 60.0) -> Engine:

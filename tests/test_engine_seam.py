@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_engine import FakeEngine, fake_engine
+from fake_engine import DOCTOR_PATCH, FakeEngine, fake_engine
 from fixtures_engine import tiny_llama_drafter, write_config
 
 from draftloop.infra.config import ConfigError, ExperimentConfig
 from draftloop.infra.engines.base import EngineError, get_engine, known_engines, register_engine
+from draftloop.infra.engines.doctor import format_report, run_doctor
 from draftloop.infra.engines.server import EngineServer
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -92,3 +93,20 @@ def test_a_served_fake_engine_reports_its_own_counters(tmp_path: Path) -> None:
     assert delta.num_drafts > 0 and delta.num_draft_tokens == 3 * delta.num_drafts
     assert delta.per_position_acceptance == pytest.approx([0.6, 0.4, 0.2])
     assert engine.parse_metrics("fake_requests_running 0.0\n") is None
+
+
+def test_doctor_asks_the_engine_and_reports_the_patches_the_family_needs(tmp_path: Path) -> None:
+    engine = fake_engine()
+    # StableLM's family declares the plugin's eagle3_enabler; the fake's probe reports it applied.
+    target = write_config(
+        tmp_path / "target", {"model_type": "stablelm", "architectures": ["StableLmForCausalLM"]}
+    )
+    drafter = engine.export_drafter(tiny_llama_drafter(LayerIds((1, 3, 5))), tmp_path / "drafter")
+    report = run_doctor(engine, target, drafter)
+    assert report["engine_version"] == "fake-0.1" and report["patches"] == [DOCTOR_PATCH]
+    assert report["family"]["name"] == "stablelm"
+    assert report["family"]["engine_patches"] == [{"name": "eagle3_enabler", "status": "applied", "ok": True}]
+    assert report["layer_ids"]["engine_convention"] == "layer_output"
+    assert report["layer_ids"]["engine_ids"] == [0, 2, 4] and report["layer_ids"]["consistent"] is True
+    assert report["pairing"] == {"ok": True}
+    assert "WARNING" not in format_report(report)

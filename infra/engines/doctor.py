@@ -7,9 +7,9 @@ its probe in `Engine.doctor_command` (vLLM's ships with draftloop's plugin in th
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,11 @@ def run_doctor(
 
 def _run_probe(engine: Engine, argv: list[str], timeout_s: float) -> dict[str, Any]:
     engine.check_python()
-    # The probe imports the engine only: offline hub access and no telemetry will do.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
+    # The server's own environment (engine.env included, e.g. which plugin patches are enabled), with
+    # its scratch files in a folder of its own.
+    with tempfile.TemporaryDirectory(prefix="draftloop-doctor-") as scratch:
+        env = engine.process_env(Path(scratch))
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
     if proc.returncode == 0 and lines:
         report: dict[str, Any] = json.loads(lines[-1][len(_MARKER) :])
