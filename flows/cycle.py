@@ -24,7 +24,8 @@ from pydantic import BaseModel, Field
 from draftloop.infra import actors
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.tracking import StageRun, Tracker, flatten_params
-from draftloop.tasks.cycle import STAGES, CycleContext, cycle_pids, run_folder_uri
+from draftloop.tasks.cache import STAGES
+from draftloop.tasks.cycle import CycleContext, cycle_pids, run_folder_uri
 from draftloop.tasks.evaluate import evaluate_stage
 from draftloop.tasks.extract import extract_stage
 from draftloop.tasks.register import register_stage

@@ -144,9 +144,6 @@ class TargetGenerator:
         model: Any = AutoModelForCausalLM.from_pretrained(target_path, dtype=getattr(torch, dtype))
         self.model: Any = model.to(self.device).eval()
 
-    def ready(self) -> bool:
-        return True
-
     def generate(
         self,
         rows: list[dict[str, str]],
@@ -289,9 +286,6 @@ class HiddenStateExtractor:
         )
         # Hooks capture from one process; keep the thread count to what Ray gave this actor.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-
-    def ready(self) -> bool:
-        return True
 
     def extract(
         self,

@@ -13,11 +13,9 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -85,10 +83,6 @@ def read_text(uri: str, options: StorageOptions | None = None) -> str:
     return read_bytes(uri, options).decode("utf-8")
 
 
-def read_json(uri: str, options: StorageOptions | None = None) -> Any:
-    return json.loads(read_bytes(uri, options))
-
-
 def write_bytes_atomic(uri: str, data: bytes, options: StorageOptions | None = None) -> None:
     """Write `data` so that readers see either the old object or the whole new one, never a part.
 
@@ -136,69 +130,11 @@ def write_text_atomic(uri: str, text: str, options: StorageOptions | None = None
     write_bytes_atomic(uri, text.encode("utf-8"), options)
 
 
-def write_json_atomic(uri: str, obj: Any, options: StorageOptions | None = None) -> None:
-    write_bytes_atomic(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), options)
-
-
-def remove(uri: str, options: StorageOptions | None = None, recursive: bool = False) -> None:
-    """Delete a file (or a folder with recursive=True); a missing one is not an error."""
+def remove(uri: str, options: StorageOptions | None = None) -> None:
+    """Delete a file; a missing one is not an error."""
     fs, path = filesystem(uri, options)
     with contextlib.suppress(FileNotFoundError):
-        fs.rm(path, recursive=recursive)
-
-
-def copy_dir_to(local_dir: str | Path, uri: str, options: StorageOptions | None = None) -> str:
-    """Copy a local folder (e.g. a checkpoint) to `uri`, replacing what is there; returns `uri`.
-
-    Local destinations are filled under a temporary name and renamed into place.
-    """
-    source = Path(local_dir)
-    if not source.is_dir():
-        raise FileNotFoundError(f"{source} is not a folder")
-    files = sorted(p for p in source.rglob("*") if p.is_file())
-    if is_local(uri):
-        dest = _local_path(uri)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        try:
-            shutil.copytree(source, tmp, dirs_exist_ok=True)
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return uri
-    fs, base = filesystem(uri, options)
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm(base, recursive=True)
-    for file in tqdm(files, desc=f"upload {source.name}", unit="file", disable=len(files) < 8, leave=False):
-        fs.put_file(str(file), f"{base.rstrip('/')}/{file.relative_to(source).as_posix()}")
-    return uri
-
-
-def download_dir(uri: str, local_dir: str | Path, options: StorageOptions | None = None) -> Path:
-    """Copy the folder at `uri` into `local_dir` (created); returns `local_dir`."""
-    dest = Path(local_dir)
-    dest.mkdir(parents=True, exist_ok=True)
-    fs, base = filesystem(uri, options)
-    with contextlib.suppress(Exception):
-        fs.invalidate_cache(base)
-    base = base.rstrip("/")
-    remote_files = [p for p in fs.find(base) if not p.rstrip("/").endswith("/")]
-    if not remote_files:
-        raise FileNotFoundError(f"{uri} holds no files")
-    for remote in tqdm(
-        remote_files,
-        desc=f"download {Path(base).name}",
-        unit="file",
-        disable=len(remote_files) < 8,
-        leave=False,
-    ):
-        relative = remote[len(base) :].lstrip("/")
-        target = dest / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(target))
-    return dest
+        fs.rm(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,9 +198,6 @@ class Manifest(BaseModel):
             if info.name == name:
                 return info
         raise ShardNotListedError(f"dataset {self.uri} lists no shard {name!r}")
-
-    def shard_uri(self, name: str) -> str:
-        return join(self.uri, self.shard(name).name)
 
 
 class DatasetWriter:
@@ -406,14 +339,6 @@ def read_shard(manifest: Manifest, shard_name: str, options: StorageOptions | No
     if digest != info.sha256:
         raise ShardIntegrityError(info.name, manifest.uri, f"sha256 {digest} does not match the manifest")
     return data
-
-
-def iter_shards(
-    manifest: Manifest, options: StorageOptions | None = None
-) -> Iterator[tuple[ShardInfo, bytes]]:
-    """Every listed shard, in manifest order, integrity-checked."""
-    for info in manifest.shards:
-        yield info, read_shard(manifest, info.name, options)
 
 
 def download_shards(

@@ -20,8 +20,6 @@ from draftloop.infra.tracking import StageRun, Tracker, error_excerpt
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork
 from draftloop.tasks.retry import is_transient
 
-STAGES: tuple[str, ...] = ("synthesize", "extract", "train", "evaluate", "register")
-
 # In-process observers of stage events ("started", "running", "done", "failed"): the CLI's progress bars.
 PROGRESS_LISTENERS: list[Callable[[str, str], None]] = []
 

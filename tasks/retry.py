@@ -42,7 +42,7 @@ def is_transient(error: BaseException | None) -> bool:
     return False
 
 
-def retry_if_transient(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
+def retry_if_transient(_task: Task[Any, Any], _task_run: TaskRun, state: State[Any]) -> bool:
     """Prefect `retry_condition_fn`: retry only when the failure (or its cause) is transient."""
     try:
         state.result(raise_on_failure=True)

@@ -122,23 +122,21 @@ def test_writer_rejects_bad_names_and_double_commit(tmp_path: Path) -> None:
         writer.commit("unit")
 
 
-def test_json_helpers_and_dir_copies(tmp_path: Path) -> None:
+def test_text_files_and_shard_downloads(tmp_path: Path) -> None:
     uri = storage.join(str(tmp_path), "a", "b.json")
     assert uri == f"{tmp_path}/a/b.json"
     assert storage.join("s3://bucket/", "/x/", "y") == "s3://bucket/x/y"
     assert not storage.exists(uri)
-    storage.write_json_atomic(uri, {"k": [1, 2]})
-    assert storage.exists(uri) and storage.read_json(uri) == {"k": [1, 2]}
-    source = tmp_path / "ckpt"
-    (source / "sub").mkdir(parents=True)
-    (source / "config.json").write_text("{}")
-    (source / "sub" / "w.bin").write_bytes(b"\x00\x01")
-    dest = str(tmp_path / "store" / "ckpt")
-    storage.copy_dir_to(source, dest)
-    storage.copy_dir_to(source, dest)  # replacing an existing copy works too
-    back = storage.download_dir(dest, tmp_path / "back")
-    assert (back / "sub" / "w.bin").read_bytes() == b"\x00\x01"
-    assert (back / "config.json").read_text() == "{}"
+    storage.write_text_atomic(uri, '{"k": [1, 2]}')
+    assert storage.exists(uri) and storage.read_text(uri) == '{"k": [1, 2]}'
+    manifest = _write_dataset(str(tmp_path / "ds"))
+    names = sorted(SHARDS)[:2]
+    back = storage.download_shards(manifest, tmp_path / "back", names)
+    assert sorted(path.name for path in back.iterdir()) == names
+    assert all((back / name).read_bytes() == SHARDS[name] for name in names)
+    (tmp_path / "ds" / names[0]).write_bytes(b"tampered")
+    with pytest.raises(ShardIntegrityError, match=names[0]):
+        storage.download_shards(manifest, tmp_path / "again", names)
 
 
 def test_storage_options_from_config_or_endpoint() -> None:
@@ -221,15 +219,10 @@ def test_s3_round_trip_integrity_and_crash(
     with pytest.raises(ManifestNotFoundError):
         read_manifest(crash_uri, options)
 
-    # JSON helpers and checkpoint folders.
-    json_uri = "s3://draftloop-test/runs/meta.json"
-    storage.write_json_atomic(json_uri, {"a": 1}, options)
-    assert storage.exists(json_uri, options) and storage.read_json(json_uri, options) == {"a": 1}
-    source = tmp_path / "ckpt"
-    (source / "sub").mkdir(parents=True)
-    (source / "model.safetensors").write_bytes(b"weights")
-    (source / "sub" / "x.txt").write_text("x")
-    storage.copy_dir_to(source, "s3://draftloop-test/ckpt", options)
-    back = storage.download_dir("s3://draftloop-test/ckpt", tmp_path / "back", options)
-    assert (back / "model.safetensors").read_bytes() == b"weights"
-    assert (back / "sub" / "x.txt").read_text() == "x"
+    # Run-folder text files and a dataset's shards downloaded into a local folder.
+    text_uri = "s3://draftloop-test/runs/summary.json"
+    storage.write_text_atomic(text_uri, '{"a": 1}', options)
+    assert storage.exists(text_uri, options) and storage.read_text(text_uri, options) == '{"a": 1}'
+    clean = _write_dataset("s3://draftloop-test/runs/clean", options)
+    back = storage.download_shards(clean, tmp_path / "back", sorted(SHARDS), options)
+    assert all((back / name).read_bytes() == data for name, data in SHARDS.items())

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options
 from draftloop.infra.processes import state_dir
+from draftloop.tasks.cache import STAGES
 
 # The demo's config: a tiny random-weight Llama built locally, served by vLLM on CPU.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
@@ -75,20 +76,20 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
     """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
-    load_config_or_exit(config_path, set_options)  # creates nothing
-    state = state_dir()
-    for key, value in _embedded_defaults(state).items():
-        os.environ.setdefault(key, value)
-    # Imported only now: the flows import Prefect, Ray and MLflow, which must see the environment above
-    # (and a refused config should not wait for them).
-    from draftloop.flows.cycle import TrainAndEvalParams
-    from draftloop.flows.stages import flow_until
-    from draftloop.tasks.cycle import PROGRESS_LISTENERS, STAGES
-
     console = Console()
     if until not in STAGES:
         console.print(f"[red]error:[/red] --until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
         raise typer.Exit(2)
+    load_config_or_exit(config_path, set_options)  # creates nothing
+    state = state_dir()
+    for key, value in _embedded_defaults(state).items():
+        os.environ.setdefault(key, value)
+    # Imported only now: importing Prefect creates PREFECT_HOME, which must be the one set above (and
+    # nothing may be created before the config is accepted).
+    from draftloop.flows.cycle import TrainAndEvalParams
+    from draftloop.flows.stages import flow_until
+    from draftloop.tasks.cycle import PROGRESS_LISTENERS
+
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # sqlite will not create it
     params = TrainAndEvalParams(config=str(config_path), overrides=parse_set_options(set_options))
     stages = STAGES[: STAGES.index(until) + 1]
@@ -123,7 +124,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
 
 
 _SET_HELP = 'Override a config field, "section.field=value" (repeatable)'
-_UNTIL_HELP = "Last stage to run: synthesize, extract, train, evaluate or register"
+_UNTIL_HELP = f"Last stage to run: {', '.join(STAGES)}"
 
 
 def register(app: typer.Typer) -> None:
