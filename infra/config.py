@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from draftloop.infra import zoo
 from draftloop.infra.engines.base import EngineConfigError, EngineSettings, convention_for, engine_class
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
@@ -271,8 +272,6 @@ class ExperimentConfig(_Section):
             check_storage_root(self.storage.root, self.storage.s3_endpoint_url)
 
     def _target_shape(self) -> tuple[int, int]:
-        from draftloop.infra import zoo
-
         folder = Path(self.target.path)
         config_file = folder / "config.json"
         if self.target.create is not None and self.target.create not in zoo.RECIPES:
@@ -388,8 +387,6 @@ class ExperimentConfig(_Section):
 
     def target_family(self) -> TargetFamily:
         """The target's family (kernels/families/), by the model_type of its config.json or zoo recipe."""
-        from draftloop.infra import zoo
-
         config_file = Path(self.target.path) / "config.json"
         if config_file.is_file() or self.target.create is None:
             return family_for_config(json.loads(config_file.read_text()))
