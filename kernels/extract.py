@@ -42,10 +42,6 @@ class ExtractionStats:
     seconds: float = 0.0
     shard_names: list[str] = field(default_factory=list)
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 @dataclass
 class _Chunk:
