@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 SPECULATORS_DIR := .venvs/speculators
 
-.PHONY: setup engine-env peer-libs demo test lint unit clean
+.PHONY: setup engine-env peer-libs demo test lint clean
 
 $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || python3 -m venv $(VENV)

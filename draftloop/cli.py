@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typer
 
+from draftloop import __version__
 from draftloop.commands import config_cmd, engine, models, run, services, simulate
 
 app = typer.Typer(
@@ -29,8 +30,6 @@ for _module in (run, models, config_cmd, simulate, engine, services):
 @app.command()
 def version() -> None:
     """Print draftloop's version."""
-    from draftloop import __version__
-
     typer.echo(__version__)
 
 

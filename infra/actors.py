@@ -7,6 +7,7 @@ small results; the driver (the Prefect task) logs and commits.
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -14,7 +15,14 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from draftloop.infra.conversations import SynthesisResult, split_reasoning
+from draftloop.kernels.extract import extract_hidden_states
+from draftloop.kernels.layer_ids import LayerIds, normalize_convention
+from draftloop.kernels.shards import shard_to_bytes
 
 # Ray 2.60 turns token auth on and writes ~/.ray/auth_token; a local, in-process cluster needs neither.
 _LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -41,7 +49,6 @@ def ray_environment(address: str | None) -> dict[str, str]:
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     """Connect to (or start) Ray once in this process. Returns True when this call started it."""
     global _started_here
-    import ray
 
     if ray.is_initialized():
         return False
@@ -89,8 +96,6 @@ def _reload_ray_auth_settings() -> None:
     token-auth cluster named later by a config. Ray's own tests reset the same two caches.
     """
     with suppress(Exception):
-        import importlib
-
         raylet: Any = importlib.import_module("ray._raylet")  # compiled module: no type stubs
         raylet.Config.initialize("")
         raylet.AuthenticationTokenLoader.instance().reset_cache()
@@ -104,7 +109,6 @@ def started_here() -> bool:
 def shutdown_ray() -> None:
     """Stop Ray if this process started it (a cluster we only connected to is left running)."""
     global _started_here
-    import ray
 
     if ray.is_initialized():
         ray.shutdown()
@@ -113,8 +117,6 @@ def shutdown_ray() -> None:
 
 def kill_actors(handles: Sequence[Any]) -> None:
     """Best-effort: stop actors we started (on success, failure and cancellation alike)."""
-    import ray
-
     for handle in handles:
         with suppress(Exception):
             ray.kill(handle, no_restart=True)
@@ -133,9 +135,6 @@ class TargetGenerator:
     """Hosts the HF target in one process and answers prompts greedily (a Ray actor in the flow)."""
 
     def __init__(self, target_path: str, dtype: str = "float32", device: str | None = None) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path)
         self.tokenizer.padding_side = "left"
@@ -153,8 +152,6 @@ class TargetGenerator:
         batch_size: int,
     ) -> SynthesisResult:
         """Answer `rows` ({"id", "prompt"}); rows that cannot be answered come back in `rejected`."""
-        import torch
-
         result = SynthesisResult()
         usable: list[tuple[dict[str, str], str, int]] = []
         for row in rows:
@@ -221,8 +218,6 @@ class TargetGenerator:
 
 def remote_target_generator(num_gpus: float) -> Any:
     """`TargetGenerator` as a Ray actor class with the stage's resource request."""
-    import ray
-
     return ray.remote(**remote_options(num_gpus))(TargetGenerator)
 
 
@@ -270,11 +265,6 @@ class HiddenStateExtractor:
         dtype: str = "float32",
         device: str | None = None,
     ) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from draftloop.kernels.layer_ids import LayerIds, normalize_convention
-
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, dtype)
         self.target_path = target_path
@@ -300,11 +290,6 @@ class HiddenStateExtractor:
         Forward passes, device-to-host copies and shard packing overlap (kernels.extract); shards come
         back as bytes for the driver to commit in one manifest.
         """
-        import torch
-
-        from draftloop.kernels.extract import extract_hidden_states
-        from draftloop.kernels.shards import shard_to_bytes
-
         skipped: list[dict[str, str]] = []
         samples: list[dict[str, Any]] = []
         for row in conversations:
@@ -339,6 +324,4 @@ class HiddenStateExtractor:
 
 
 def remote_hidden_state_extractor(num_gpus: float) -> Any:
-    import ray
-
     return ray.remote(**remote_options(num_gpus))(HiddenStateExtractor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -147,8 +148,6 @@ class StageRun:
 
 
 def _now_ms() -> int:
-    import time
-
     return int(time.time() * 1000)
 
 

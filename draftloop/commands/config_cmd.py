@@ -7,13 +7,13 @@ from typing import Any
 
 import typer
 
+from draftloop.infra.config import ConfigError, ExperimentConfig, parse_override_value
+
 config_app = typer.Typer(help="Experiment configs: validate and show them resolved.", no_args_is_help=True)
 
 
 def parse_set_options(values: list[str]) -> dict[str, Any]:
     """`key=value` strings into an overrides dict; values use YAML syntax (5, true, null, [1, 2])."""
-    from draftloop.infra.config import ConfigError, parse_override_value
-
     overrides: dict[str, Any] = {}
     for item in values:
         key, sep, value = item.partition("=")
@@ -25,8 +25,6 @@ def parse_set_options(values: list[str]) -> dict[str, Any]:
 
 def load_config_or_exit(path: Path, set_options: list[str] | None = None) -> Any:
     """Load and validate a config for a CLI command; on a user error print it and exit 2."""
-    from draftloop.infra.config import ConfigError, ExperimentConfig
-
     try:
         return ExperimentConfig.load(path, parse_set_options(set_options or []))
     except ConfigError as error:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from draftloop.infra.zoo import RECIPES, create_tiny_model
+
 models_app = typer.Typer(help="Tiny random-weight targets built locally from a seed.", no_args_is_help=True)
 
 
@@ -16,8 +18,6 @@ def create(
     seed: int = typer.Option(0, "--seed", help="Same recipe and seed give byte-identical files."),
 ) -> None:
     """Build a zoo model folder (config, safetensors weights, tokenizer with chat template)."""
-    from draftloop.infra.zoo import RECIPES, create_tiny_model
-
     if recipe not in RECIPES:
         typer.echo(
             f"error: recipe: unknown zoo recipe {recipe!r}; known: {', '.join(sorted(RECIPES))}", err=True
@@ -30,8 +30,6 @@ def create(
 @models_app.command("list")
 def list_recipes() -> None:
     """List the zoo recipes with their depth and hidden size."""
-    from draftloop.infra.zoo import RECIPES
-
     for name, recipe in sorted(RECIPES.items()):
         typer.echo(
             f"{name}\t{recipe.model_type}\tlayers={recipe.num_hidden_layers}\thidden={recipe.hidden_size}"

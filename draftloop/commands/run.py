@@ -24,14 +24,6 @@ from draftloop.tasks.cache import STAGES
 # The demo's config: a tiny random-weight Llama built locally, served by vLLM on CPU.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
 
-STAGE_TITLES = {
-    "synthesize": "synthesize conversations",
-    "extract": "extract hidden states",
-    "train": "train the drafter",
-    "evaluate": "deploy + evaluate",
-    "register": "register in MLflow",
-}
-
 
 def _embedded_defaults(state: Path) -> dict[str, str]:
     """Environment for a run in this process; anything the user set already wins."""
@@ -100,7 +92,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        bars = {stage: progress.add_task(STAGE_TITLES[stage], total=1, start=False) for stage in stages}
+        bars = {stage: progress.add_task(stage, total=1, start=False) for stage in stages}
 
         def on_event(stage: str, event: str) -> None:
             bar = bars[stage]
@@ -109,7 +101,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
             elif event == "done":
                 progress.update(bar, completed=1)
             elif event == "failed":
-                progress.update(bar, description=f"[red]{STAGE_TITLES[stage]} (failed)")
+                progress.update(bar, description=f"[red]{stage} (failed)")
 
         PROGRESS_LISTENERS.append(on_event)
         try:

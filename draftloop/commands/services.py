@@ -8,6 +8,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from draftloop.infra.services import WORK_POOL, services_dir
+from draftloop.infra.services import down as stop_services
+from draftloop.infra.services import up as start_services
+
 
 def register(app: typer.Typer) -> None:
     """Add `up` and `down` to the `draftloop` app."""
@@ -19,12 +23,9 @@ def register(app: typer.Typer) -> None:
         no_worker: bool = typer.Option(False, "--no-worker", help="Do not start a process worker"),
     ) -> None:
         """Start a local Prefect server, the `draftloop` process pool + deployments, a worker and MLflow."""
-        from draftloop.infra.services import WORK_POOL, services_dir
-        from draftloop.infra.services import up as start
-
         console = Console()
         try:
-            services = start(
+            services = start_services(
                 Path.cwd(), prefect_port=prefect_port, mlflow_port=mlflow_port, start_worker=not no_worker
             )
         except (RuntimeError, TimeoutError) as error:
@@ -46,7 +47,5 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def down() -> None:
         """Stop the services `draftloop up` started (by their recorded PIDs)."""
-        from draftloop.infra.services import down as stop
-
-        stopped = stop(Path.cwd())
+        stopped = stop_services(Path.cwd())
         Console().print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
