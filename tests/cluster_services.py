@@ -10,7 +10,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,15 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from draftloop.infra.processes import stop_processes
+from draftloop.infra.services import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO_ROOT / ".venv" / "bin"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def postgres_bin_dir() -> Path | None:
@@ -42,20 +37,6 @@ def postgres_bin_dir() -> Path | None:
 def _as_postgres(argv: list[str]) -> list[str]:
     """PostgreSQL refuses to run as root: run its tools as the `postgres` user then."""
     return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else argv
-
-
-def _stop_group(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
-    """SIGTERM the process group led by `process` (started with start_new_session), then SIGKILL."""
-    if process.poll() is not None:
-        return
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 @contextmanager
@@ -151,7 +132,7 @@ def mlflow_server(
         _wait_http(f"{url}/health", process, log, timeout_s=150)
         yield url
     finally:
-        _stop_group(process)
+        stop_processes([process.pid], grace_s=20)
 
 
 @contextmanager
@@ -191,7 +172,7 @@ def ray_head(log_dir: Path, num_cpus: int = 2) -> Iterator[tuple[str, dict[str, 
         yield f"127.0.0.1:{port}", driver_env
     finally:
         # Not `ray stop`: it stops every Ray on the machine. This head's processes name its temp dir.
-        _stop_pids(_pids_naming(str(tmp)))
+        stop_processes(_pids_naming(str(tmp)), grace_s=20)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -205,15 +186,3 @@ def _pids_naming(marker: str) -> list[int]:
             if marker.encode() in (proc / "cmdline").read_bytes():
                 pids.append(int(proc.name))
     return pids
-
-
-def _stop_pids(pids: list[int], timeout_s: float = 20) -> None:
-    for pid in pids:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
-        time.sleep(0.2)
-    for pid in pids:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
