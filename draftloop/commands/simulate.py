@@ -141,12 +141,14 @@ def simulate(
     drafter_convention: str | None = typer.Option(
         None,
         "--drafter-convention",
-        help="For a published drafter without a draftloop block: its ids' convention (vllm | sglang).",
+        help="For a published drafter without a draftloop block: its ids' convention (layer_input | "
+        "layer_output, or the engine that reads them: vllm | sglang).",
     ),
     device: str = typer.Option("cpu", "--device", help="torch device (cpu, cuda, cuda:1, ...)."),
 ) -> None:
     """Simulate greedy speculative decoding of TARGET with DRAFTER over PROMPTS; print vLLM's metrics."""
-    from draftloop.kernels.drafter import DrafterFormatError, load_drafter
+    from draftloop.infra.engines.base import convention_for
+    from draftloop.kernels.checkpoint import DrafterFormatError, load_drafter
     from draftloop.kernels.simulate import LayerIdMismatchError, SimulationInputError, simulate_acceptance
 
     try:
@@ -157,7 +159,11 @@ def simulate(
     if force_layer_ids and requested_ids is None:
         raise _fail("--force-layer-ids needs --layer-ids")
     try:
-        draft_model = load_drafter(drafter, device=device, convention=drafter_convention)
+        convention = convention_for(drafter_convention) if drafter_convention is not None else None
+    except ValueError as error:
+        raise _fail(f"--drafter-convention: {error}") from None
+    try:
+        draft_model = load_drafter(drafter, device=device, convention=convention)
     except DrafterFormatError as error:
         raise _fail(f"--drafter: {error}") from None
     target_model, tokenizer = _load_target(target)
