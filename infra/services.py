@@ -128,6 +128,25 @@ def _wait_http(url: str, service: Service, timeout_s: float) -> None:
     raise TimeoutError(f"{service.name} did not answer {url} within {timeout_s:.0f} s (log: {service.log})")
 
 
+def mlflow_server_command(port: int, backend_store_uri: str, artifact_flag: str, artifacts: str) -> list[str]:
+    """`mlflow server` on 127.0.0.1:`port`, one worker; `artifact_flag` is `--default-artifact-root`
+    (clients write artifacts there directly) or `--artifacts-destination` (the server proxies them)."""
+    return [
+        _bin("mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        backend_store_uri,
+        artifact_flag,
+        artifacts,
+    ]
+
+
 def _run(argv: list[str], env: dict[str, str], root: Path | None, timeout_s: float = 300) -> str:
     done = subprocess.run(
         argv,
@@ -198,20 +217,7 @@ def up(
             )
             mlflow = _spawn(
                 "mlflow",
-                [
-                    _bin("mlflow"),
-                    "server",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--workers",
-                    "1",
-                    "--backend-store-uri",
-                    backend,
-                    "--default-artifact-root",
-                    artifacts,
-                ],
+                mlflow_server_command(port, backend, "--default-artifact-root", artifacts),
                 env,
                 root,
                 url=f"http://127.0.0.1:{port}",

@@ -19,7 +19,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from draftloop.infra.processes import stop_processes
-from draftloop.infra.services import free_port
+from draftloop.infra.services import free_port, mlflow_server_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO_ROOT / ".venv" / "bin"
@@ -109,20 +109,7 @@ def mlflow_server(
         "MLFLOW_DISABLE_TELEMETRY": "true",
     }
     log = log_dir / "mlflow-server.log"
-    command = [
-        str(VENV_BIN / "mlflow"),
-        "server",
-        "--backend-store-uri",
-        backend_uri,
-        "--artifacts-destination",
-        artifacts_destination,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
+    command = mlflow_server_command(port, backend_uri, "--artifacts-destination", artifacts_destination)
     with open(log, "wb") as sink:
         process = subprocess.Popen(
             command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
