@@ -128,7 +128,7 @@ def register(app: typer.Typer) -> None:
         set_options: list[str] = typer.Option([], "--set", help=_SET_HELP),
         until: str = typer.Option("register", "--until", help=_UNTIL_HELP),
     ) -> None:
-        """Run one cycle of CONFIG here: synthesize, extract, train, deploy+evaluate, register."""
+        """Run one cycle of CONFIG in this process: synthesize, extract, train, deploy+evaluate, register."""
         run_cycle_command(config, set_options, until)
 
     @app.command()
@@ -136,5 +136,5 @@ def register(app: typer.Typer) -> None:
         set_options: list[str] = typer.Option([], "--set", help=_SET_HELP),
         until: str = typer.Option("register", "--until", help=_UNTIL_HELP),
     ) -> None:
-        """`run` with the built-in tiny config (configs/tiny-llama.yaml): a few CPU minutes, no downloads."""
+        """`run` with the built-in tiny config (configs/tiny-llama.yaml): CPU only, nothing downloaded."""
         run_cycle_command(DEMO_CONFIG, set_options, until)
