@@ -130,3 +130,23 @@ def test_cancellation_hook_stops_recorded_processes(tmp_path: Path, monkeypatch:
     assert group_alive == ""
     assert not ctx.pids.path.exists()
     stop_started_resources(None, SimpleNamespace(id="run-1"), None)
+
+
+def test_only_transient_failures_are_retried() -> None:
+    from draftloop.infra.engines.server import EngineStartError
+    from draftloop.tasks.retry import is_transient
+
+    def raised_from(cause: BaseException) -> BaseException:
+        try:
+            try:
+                raise cause
+            except BaseException as inner:
+                raise RuntimeError("stage body failed") from inner
+        except RuntimeError as outer:
+            return outer
+
+    assert is_transient(raised_from(ConnectionError("S3 went away")))
+    assert is_transient(EngineStartError("not ready within 600 s"))  # may come up next time
+    assert not is_transient(EngineStartError("died", pattern="unsupported model type"))  # never will
+    assert not is_transient(raised_from(ValueError("a bug")))
+    assert not is_transient(None)
