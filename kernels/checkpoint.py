@@ -48,10 +48,9 @@ class LayerIdExportError(ValueError):
 # --------------------------------------------------------------------------------------------- native
 
 
-def _native_config(drafter: Eagle3Drafter, exported_ids: LayerIds) -> dict[str, Any]:
-    """config.json of the engines' EAGLE-3 drafter classes: a one-layer model config plus the ids."""
-    cfg = drafter.config
-    data: dict[str, Any] = {
+def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The drafter's decoder layer as a one-layer transformers model config (both formats start here)."""
+    return {
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -60,12 +59,20 @@ def _native_config(drafter: Eagle3Drafter, exported_ids: LayerIds) -> dict[str, 
         "head_dim": cfg.head_dim,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+    }
+
+
+def _native_config(drafter: Eagle3Drafter, exported_ids: LayerIds) -> dict[str, Any]:
+    """config.json of the engines' EAGLE-3 drafter classes: a one-layer model config plus the ids."""
+    cfg = drafter.config
+    data: dict[str, Any] = {
+        **_layer_config(cfg),
+        "rope_theta": cfg.rope_theta,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False,
         "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
         "eagle_aux_hidden_state_layer_ids": list(exported_ids.ids),
     }
@@ -345,19 +352,9 @@ def export_speculators(
             list(_read_json(verifier_config).get("architectures") or []) if verifier_config.exists() else []
         )
     layer_config: dict[str, Any] = {
+        **_layer_config(cfg),
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "num_hidden_layers": 1,
-        "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
     }
     ids = list(cfg.aux_layer_ids.to("layer_input").ids)

@@ -390,7 +390,30 @@ def _flex_chain(q: Tensor, keys: Tensor, values: Tensor, length: int, chain: int
     return cast(Tensor, out)
 
 
-class LlamaAttention(nn.Module):
+class _Attention(nn.Module):
+    """What both attention kinds share once q, k, v are built: attention over the past and own keys,
+    then the output projection. Subclasses set `o_proj` and `scale`."""
+
+    o_proj: nn.Linear
+    scale: float
+
+    def attend_and_project(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        past: KVPair | None,
+        attn_bias: Tensor | None,
+        diagonal: list[KVPair] | None,
+    ) -> tuple[Tensor, KVPair]:
+        """q [B, Hq, T, d], k/v [B, Hk, T, *] (post-RoPE) -> (o_proj output [B, T, H], (k, v))."""
+        batch, _, length, _ = q.shape
+        past_k, past_v = past if past is not None else (None, None)
+        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
+
+
+class LlamaAttention(_Attention):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -425,13 +448,10 @@ class LlamaAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(position_ids, q.dtype)
         q = self.rotary.rotate(q, cos, sin)
         k = self.rotary.rotate(k, cos, sin)
-        past_k, past_v = past if past is not None else (None, None)
-        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal)
-        out = out.transpose(1, 2).reshape(batch, length, -1)
-        return self.o_proj(out), (k, v)
+        return self.attend_and_project(q, k, v, past, attn_bias, diagonal)
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(_Attention):
     """DeepSeek-V2/V3 multi-head latent attention, computed in its expanded (non-absorbed) form."""
 
     def __init__(self, config: DrafterConfig) -> None:
@@ -490,10 +510,7 @@ class MLAAttention(nn.Module):
         k_pe = self.rotary.rotate(k_pe.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)
         q = torch.cat((q[..., : self.nope_dim], q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        past_k, past_v = past if past is not None else (None, None)
-        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal)
-        out = out.transpose(1, 2).reshape(batch, length, -1)
-        return self.o_proj(out), (k, v)
+        return self.attend_and_project(q, k, v, past, attn_bias, diagonal)
 
 
 class MidLayer(nn.Module):
