@@ -106,6 +106,8 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "per_position_acceptance": results.get("per_position_acceptance"),
         "simulator_acceptance_rate": results.get("simulator_acceptance_rate"),
         "consistent": results.get("consistent"),
+        "lossless": results.get("lossless"),
+        "verdict": evaluation.manifest.summary.get("verdict") if evaluation else None,
         "speedup": results.get("speedup"),
         "throughput": results.get("throughput"),
         "registered_model": registration.manifest.summary if registration else None,

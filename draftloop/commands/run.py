@@ -45,7 +45,14 @@ def summary_table(summary: dict[str, Any]) -> Table:
         table.add_row(
             f"stage {stage}", f"{timing['seconds']:.1f} s" + (" (cache hit)" if timing["cache_hit"] else "")
         )
-    for key in ("acceptance_rate", "mean_acceptance_length", "simulator_acceptance_rate", "consistent"):
+    for key in (
+        "verdict",
+        "lossless",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "simulator_acceptance_rate",
+        "consistent",
+    ):
         value = summary.get(key)
         table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
     for concurrency, speedup in (summary.get("speedup") or {}).items():
