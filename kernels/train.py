@@ -9,24 +9,30 @@ For a sample x_0..x_{L-1} with target aux states h_t and final (normed) states g
 
 Attention at step j: the step-0 keys at positions <= t (causal) plus the chain keys of steps 1..j at the
 same t (the diagonal, computed elementwise in :func:`drafter._attend`). Loss weight ``decay**j``; only
-positions whose predicted token is an assistant token (loss_mask) and inside the sample count.
-Samples are right-padded in a batch, so causal attention never crosses samples.
+positions whose predicted token is an assistant token (loss_mask) of the same sample count.
+
+Batches are either one sample per row (right-padded: causal attention never reaches the padding) or
+packed rows (kernels/packing.py): then a block-diagonal causal mask keeps every TTT step inside its
+sample, and positions restart per sample. An optimizer step's loss is the token-weighted mean over all
+its counted positions, whatever the micro-batches, the packing or the number of workers.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from .data import ShardedSamples
 from .drafter import Eagle3Drafter, KVPair
+from .packing import collate_rows, pack_first_fit_decreasing, sample_length
 
 __all__ = [
     "TrainConfig",
@@ -37,6 +43,7 @@ __all__ = [
     "make_scheduler",
     "train_drafter",
     "ttt_loss",
+    "ttt_weights",
 ]
 
 
@@ -44,6 +51,8 @@ __all__ = [
 class TrainConfig:
     ttt_length: int = 7
     epochs: int = 1
+    # batch_size * grad_accum samples per optimizer step, over all workers (so a run's steps do not
+    # depend on the number of workers); unpacked micro-batches hold batch_size samples.
     batch_size: int = 8
     lr: float = 1e-4
     warmup_ratio: float = 0.05
@@ -58,6 +67,11 @@ class TrainConfig:
     # the full batch size and to a multiple of pad_multiple tokens, so only a few shapes compile.
     compile: bool = False
     pad_multiple: int = 512
+    # Pack samples into rows of at most this many tokens (first-fit decreasing); each micro-batch is one
+    # packed row. None: one sample per row.
+    pack_tokens: int | None = None
+    # Hand a resume state to on_checkpoint every this many optimizer steps (and after every epoch).
+    checkpoint_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -68,10 +82,16 @@ class TrainConfig:
             "lr": self.lr > 0,
             "warmup_ratio": 0 <= self.warmup_ratio < 1,
             "step_decay": 0 < self.step_decay <= 1,
+            "pack_tokens": self.pack_tokens is None or self.pack_tokens >= 1,
+            "checkpoint_every_steps": self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid training settings: {', '.join(bad)} ({asdict(self)})")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.batch_size * self.grad_accum
 
 
 @dataclass
@@ -79,7 +99,7 @@ class TrainResult:
     history: list[dict[str, Any]]  # one entry per optimizer step
     epochs: list[dict[str, Any]]  # one entry per epoch (token-weighted means)
     final_metrics: dict[str, Any]
-    state: dict[str, Any] = field(default_factory=dict)  # optimizer/scheduler/epoch/step, for resume
+    state: dict[str, Any] = field(default_factory=dict)  # the resume state after the last step
 
 
 # --------------------------------------------------------------------------------------------- batches
@@ -92,40 +112,11 @@ def collate_samples(
     batch_size: int | None = None,
     pad_multiple: int | None = None,
 ) -> dict[str, Tensor]:
-    """Right-pad samples into a batch: input_ids/loss_mask [B, L], aux/last [B, L, *], lengths [B].
-
-    ``batch_size`` adds empty rows (length 0, nothing counted) up to that many; ``pad_multiple`` rounds
-    L up to a multiple — both keep the shapes a compiled loss sees few.
-    """
+    """One sample per row, right-padded: input_ids/loss_mask [B, L], aux/last [B, L, *], lengths [B]
+    (see :func:`packing.collate_rows` for ``batch_size`` and ``pad_multiple``)."""
     if not samples:
         raise ValueError("empty batch")
-    lengths = [int(s["input_ids"].shape[0]) for s in samples]
-    if max_length is not None:
-        lengths = [min(n, max_length) for n in lengths]
-    length = max(lengths)
-    if pad_multiple:
-        length = -(-length // pad_multiple) * pad_multiple
-    batch = max(len(samples), batch_size or 0)
-    lengths += [0] * (batch - len(samples))
-    aux_dim = int(samples[0]["aux_hidden"].shape[-1])
-    last_dim = int(samples[0]["last_hidden"].shape[-1])
-    hidden_dtype = samples[0]["aux_hidden"].dtype
-    input_ids = torch.zeros(batch, length, dtype=torch.int64)
-    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
-    aux = torch.zeros(batch, length, aux_dim, dtype=hidden_dtype)
-    last = torch.zeros(batch, length, last_dim, dtype=samples[0]["last_hidden"].dtype)
-    for row, (sample, n) in enumerate(zip(samples, lengths[: len(samples)], strict=True)):
-        input_ids[row, :n] = sample["input_ids"][:n]
-        loss_mask[row, :n] = sample["loss_mask"][:n].bool()
-        aux[row, :n] = sample["aux_hidden"][:n]
-        last[row, :n] = sample["last_hidden"][:n]
-    return {
-        "input_ids": input_ids.to(device, non_blocking=True),
-        "loss_mask": loss_mask.to(device, non_blocking=True),
-        "aux_hidden": aux.to(device, non_blocking=True),
-        "last_hidden": last.to(device, non_blocking=True),
-        "lengths": torch.tensor(lengths, dtype=torch.int64).to(device),
-    }
+    return collate_rows([[s] for s in samples], device, max_length, batch_size, pad_multiple)
 
 
 def draft_target_head(drafter: Eagle3Drafter, lm_head_weight: Tensor) -> Tensor:
@@ -142,50 +133,82 @@ def draft_target_head(drafter: Eagle3Drafter, lm_head_weight: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------- loss
 
 
+def _sample_layout(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(segment_ids [B, L] (-1 = padding), position_ids [B, L], attention bias or None) of a batch."""
+    input_ids = batch["input_ids"]
+    bsz, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device)
+    if "segment_ids" not in batch:  # one sample per row: plain causal attention
+        segments = torch.where(positions[None, :] < batch["lengths"][:, None], 0, -1)
+        return segments, positions[None, :].expand(bsz, length), None
+    segments = batch["segment_ids"]
+    # Block-diagonal causal: query t sees key s iff s <= t in the same sample (padding sees padding, so
+    # no row is fully masked). The same mask covers the step-0 keys in every TTT step.
+    visible = (segments[:, :, None] == segments[:, None, :]) & (positions[None, :] <= positions[:, None])
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=input_ids.device)
+    return segments, batch["position_ids"], bias.masked_fill(~visible, float("-inf"))[:, None]
+
+
+def ttt_weights(batch: Mapping[str, Tensor], ttt_length: int) -> Tensor:
+    """Counted positions [ttt_length, B, L]: at step j, anchor t counts when x_{t+2+j} is an assistant
+    token of the same sample (so no target, token or loss crosses a sample boundary)."""
+    segments, _, _ = _sample_layout(batch)
+    length = segments.shape[1]
+    pad = ttt_length + 2
+    segments_ahead = F.pad(segments, (0, pad), value=-1)
+    mask_ahead = F.pad(batch["loss_mask"].bool(), (0, pad))
+    steps = [
+        mask_ahead[:, 2 + j : 2 + j + length] & (segments_ahead[:, 2 + j : 2 + j + length] == segments)
+        for j in range(ttt_length)
+    ]
+    return torch.stack(steps) & (segments >= 0)
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     batch: Mapping[str, Tensor],
     target_head_draft: Tensor,
     ttt_length: int = 7,
     decay: float = 0.8,
+    step_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Weighted TTT loss of one collated batch, and per-step metrics.
 
-    Returns (loss, {"loss": [per step], "acc": [per step], "tokens": [per step]}) where acc is the
-    share of counted positions whose drafter argmax equals the target's argmax over the draft vocab.
+    ``step_tokens`` [ttt_length]: counted positions per TTT step over the whole optimizer step (every
+    micro-batch, every rank); step j's loss sums over this batch and divides by them, so the losses of
+    a step's micro-batches add up to its token-weighted mean. None: this batch's own counts.
+    Returns (loss, {"loss": [per step], "acc": [per step], "tokens": [per step]}) where loss and acc are
+    this batch's means and acc is the share of counted positions whose drafter argmax equals the
+    target's argmax over the draft vocab.
     """
     input_ids = batch["input_ids"]
-    loss_mask = batch["loss_mask"].bool()
-    lengths = batch["lengths"]
-    bsz, length = input_ids.shape
-    device = input_ids.device
-    positions = torch.arange(length, device=device)
-    in_sample = positions[None, :] < lengths[:, None]
-    counted = loss_mask & in_sample
+    length = input_ids.shape[1]
+    _, position_ids, attn_bias = _sample_layout(batch)
+    weights = ttt_weights(batch, ttt_length).float()
 
     with torch.no_grad():
         last = batch["last_hidden"].to(target_head_draft.dtype)
         target_logits = torch.matmul(last, target_head_draft.t()).float()  # [B, L, Vd]
-        # Padded once at the end so that every step reads a shifted view instead of a copy.
+        # Padded once at the end so that every step reads a shifted view instead of a copy. Where the
+        # shift reaches past a sample's end the position is not counted, and its outputs reach no
+        # counted position (own chain only; its step-0 key is visible only to itself).
         pad = ttt_length + 1
         target_probs = F.pad(torch.softmax(target_logits, dim=-1), (0, 0, 0, pad))
         target_argmax = F.pad(target_logits.argmax(-1), (0, pad), value=-1)
         del target_logits
         ids_padded = F.pad(input_ids, (0, pad))
-        counted_padded = F.pad(counted, (0, pad + 1))
 
     hidden = drafter.fuse(batch["aux_hidden"])
-    position_ids = positions[None, :].expand(bsz, length)
     step0: KVPair | None = None
     chain: list[KVPair] = []
     total = hidden.new_zeros((), dtype=torch.float32)
     step_losses: list[Tensor] = []
     step_accs: list[Tensor] = []
-    step_tokens: list[Tensor] = []
+    step_counts: list[Tensor] = []
     for step in range(ttt_length):
         step_ids = ids_padded[:, 1 + step : 1 + step + length]
         if step0 is None:
-            hidden, kv = drafter(hidden, step_ids, position_ids)
+            hidden, kv = drafter(hidden, step_ids, position_ids, attn_bias=attn_bias)
             step0 = kv
         else:
             hidden, kv = drafter(
@@ -193,29 +216,35 @@ def ttt_loss(
                 step_ids,
                 position_ids + step,
                 past=[step0],
-                attn_bias=None,  # causal over the step-0 keys (FlexAttention on CUDA)
+                attn_bias=attn_bias,  # None: causal over the step-0 keys (FlexAttention on CUDA)
                 diagonal=chain,
             )
             chain = [*chain, kv]
-        # Counted where the predicted token x_{t+2+step} exists and is an assistant token.
-        weight = counted_padded[:, 2 + step : 2 + step + length].float()
+        weight = weights[step]
         probs = target_probs[:, 1 + step : 1 + step + length]
         logits = drafter.logits(hidden).float()
         # Soft cross-entropy with a normalised target: logsumexp(z) - sum(p * z), no log_softmax tensor.
         per_token = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
         tokens = weight.sum()
-        step_loss = (per_token * weight).sum() / tokens.clamp_min(1.0)
-        total = total + (decay**step) * step_loss
+        loss_sum = (per_token * weight).sum()
+        norm = tokens if step_tokens is None else step_tokens[step].to(tokens)
+        total = total + (decay**step) * loss_sum / norm.clamp_min(1.0)
         with torch.no_grad():
             hits = (logits.argmax(-1) == target_argmax[:, 1 + step : 1 + step + length]).float() * weight
             step_accs.append(hits.sum() / tokens.clamp_min(1.0))
-        step_losses.append(step_loss.detach())
-        step_tokens.append(tokens.detach())
+        step_losses.append(loss_sum.detach() / tokens.clamp_min(1.0))
+        step_counts.append(tokens.detach())
     stacked = torch.stack(
-        [torch.stack(step_losses), torch.stack(step_accs), torch.stack(step_tokens)]
+        [torch.stack(step_losses), torch.stack(step_accs), torch.stack(step_counts)]
     ).tolist()
     metrics = {"loss": stacked[0], "acc": stacked[1], "tokens": [int(t) for t in stacked[2]]}
     return total, metrics
+
+
+def _sample_ttt_tokens(sample: Mapping[str, Tensor], ttt_length: int, max_length: int | None) -> list[int]:
+    """Counted positions of each TTT step in one sample (what :func:`ttt_weights` counts for it)."""
+    mask = sample["loss_mask"][: sample_length(sample, max_length)].bool()
+    return [int(mask[2 + j :].sum()) for j in range(ttt_length)]
 
 
 # --------------------------------------------------------------------------------------------- optimisation
@@ -255,22 +284,65 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
-def _state(
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    epochs_done: int,
-    global_step: int,
-    history: list[dict[str, Any]],
-    epoch_history: list[dict[str, Any]],
-) -> dict[str, Any]:
-    return {
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "epoch": epochs_done,
-        "global_step": global_step,
-        "history": list(history),
-        "epochs": list(epoch_history),
-    }
+def _micro_batch_rows(
+    samples: Sequence[Mapping[str, Tensor]], cfg: TrainConfig
+) -> list[list[list[Mapping[str, Tensor]]]]:
+    """This rank's samples of one step as micro-batches of rows: batch_size one-sample rows, or one
+    packed row of at most pack_tokens tokens each."""
+    if cfg.pack_tokens is None:
+        return [
+            [[s] for s in samples[i : i + cfg.batch_size]] for i in range(0, len(samples), cfg.batch_size)
+        ]
+    lengths = [sample_length(s, cfg.max_length) for s in samples]
+    return [[[samples[i] for i in row]] for row in pack_first_fit_decreasing(lengths, cfg.pack_tokens)]
+
+
+def _sum_across_ranks(tensors: Sequence[Tensor], world: int) -> None:
+    """In place: every tensor becomes its sum over the ranks (one collective per dtype)."""
+    if world == 1:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)
+        offset = 0
+        for tensor in group:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+@dataclass
+class _EpochTally:
+    """Sums over an epoch's steps (all ranks), saved in the resume state so a resumed epoch sums on."""
+
+    loss: float = 0.0
+    steps: int = 0
+    hits: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    real_tokens: int = 0  # sample tokens trained
+    computed_tokens: int = 0  # row slots computed, padding included
+
+    def add(self, record: dict[str, Any], hits: list[float], real_tokens: int, computed_tokens: int) -> None:
+        self.loss += record["loss"]
+        self.steps += 1
+        self.hits = [a + h for a, h in zip(self.hits, hits, strict=True)]
+        self.tokens = [a + n for a, n in zip(self.tokens, record["tokens"], strict=True)]
+        self.real_tokens += real_tokens
+        self.computed_tokens += computed_tokens
+
+    def summary(self, epoch: int, global_step: int) -> dict[str, Any]:
+        return {
+            "epoch": epoch,
+            "loss": self.loss / max(1, self.steps),
+            "acc": [h / n if n else 0.0 for h, n in zip(self.hits, self.tokens, strict=True)],
+            "tokens": list(self.tokens),
+            "steps": global_step,
+            "real_tokens": self.real_tokens,
+            "computed_tokens": self.computed_tokens,
+            "packing_efficiency": self.real_tokens / max(1, self.computed_tokens),
+        }
 
 
 def _cpu_copy(value: Any) -> Any:
@@ -285,25 +357,31 @@ def _cpu_copy(value: Any) -> Any:
 
 def train_drafter(
     drafter: Eagle3Drafter,
-    samples: Iterable[Mapping[str, Tensor]],
+    samples: Sequence[Mapping[str, Tensor]] | ShardedSamples,
     target_head: Tensor,
     cfg: TrainConfig,
     device: torch.device | str = "cpu",
+    *,
+    rank: int = 0,
+    world: int = 1,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
     on_epoch: Callable[[int, dict[str, Any]], None] | None = None,
+    on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
     resume_state: Mapping[str, Any] | None = None,
 ) -> TrainResult:
-    """Train ``drafter`` in place with TTT on per-sample dicts from hidden-state shards.
+    """Train ``drafter`` in place with TTT on hidden-state samples (a list, or shards streamed lazily).
 
     ``target_head``: the target's lm_head weight [V, Ht] (or already the draft rows [Vd, Ht]).
-    The drafter must have the target's embeddings attached. ``on_step(step, metrics)`` runs after every
-    optimizer step, ``on_epoch(epoch, metrics)`` after every epoch. ``resume_state`` is a previous
-    result's ``state`` (continues after its last finished epoch).
+    The drafter must have the target's embeddings attached. With ``world`` > 1, torch.distributed is
+    initialised, every rank calls this with the same data and weights, and each trains its share of
+    every optimizer step (kernels/data.py); the step's gradient is summed over ranks once, so a rank
+    with nothing in a step still takes part. ``on_step(step, record)`` runs after every optimizer step,
+    ``on_epoch(epoch, summary)`` after every epoch, ``on_checkpoint(resume_state)`` every
+    ``cfg.checkpoint_every_steps`` steps and after every epoch; pass that state back as
+    ``resume_state`` (any number of workers) to continue from the same sample.
     """
     device = torch.device(device)
-    data = list(samples)
-    if not data:
-        raise ValueError("no training samples")
+    data = samples if isinstance(samples, ShardedSamples) else ShardedSamples.in_memory(samples)
     drafter.to(device)
     drafter.train()
     if drafter.embed_weight is None:
@@ -316,99 +394,127 @@ def train_drafter(
     loss_fn: Callable[..., tuple[Tensor, dict[str, Any]]] = (
         cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
     )
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    ttt = cfg.ttt_length
 
-    batches_per_epoch = math.ceil(len(data) / cfg.batch_size)
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
+    steps_per_epoch = math.ceil(data.num_samples / cfg.samples_per_step)
     total_steps = steps_per_epoch * cfg.epochs
     optimizer = make_optimizer(drafter, cfg)
     scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio)
-    start_epoch = 0
-    global_step = 0
+    # Data position: the next sample of epoch `epoch`'s global order (independent of the worker count).
+    epoch, consumed, global_step = 0, 0, 0
     history: list[dict[str, Any]] = []
     epoch_history: list[dict[str, Any]] = []
+    tally = _EpochTally()
     if resume_state:
-        optimizer.load_state_dict(resume_state["optimizer"])
+        # A copy: the optimizer updates its state tensors in place, and the caller may share them.
+        optimizer.load_state_dict(_cpu_copy(resume_state["optimizer"]))
         scheduler.load_state_dict(resume_state["scheduler"])
-        start_epoch = int(resume_state["epoch"])
+        epoch, consumed = int(resume_state["epoch"]), int(resume_state["consumed"])
         global_step = int(resume_state["global_step"])
-        history = list(resume_state.get("history", []))
-        epoch_history = list(resume_state.get("epochs", []))
+        history = list(resume_state["history"])
+        epoch_history = list(resume_state["epochs"])
+        tally = _EpochTally(**resume_state["epoch_tally"])
+        torch.set_rng_state(resume_state["rng"])
+
+    def current_state() -> dict[str, Any]:
+        return {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epoch": epoch,
+            "consumed": consumed,
+            "global_step": global_step,
+            "rng": torch.get_rng_state(),
+            "history": history,
+            "epochs": epoch_history,
+            "epoch_tally": asdict(tally),
+        }
+
+    def checkpoint() -> None:
+        if on_checkpoint is not None:  # a CPU copy: the optimizer updates its state tensors in place
+            on_checkpoint(_cpu_copy(current_state()))
 
     progress = _progress(total_steps - global_step, cfg.show_progress, "train drafter")
     try:
-        for epoch in range(start_epoch, cfg.epochs):
-            # Same order for the same seed and epoch, independent of the global RNG.
-            order = list(range(len(data)))
-            random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
-            torch.manual_seed(cfg.seed + epoch)
-            epoch_loss = 0.0
-            epoch_batches = 0
-            token_acc = [0.0] * cfg.ttt_length
-            token_count = [0] * cfg.ttt_length
-            batch_starts = list(range(0, len(order), cfg.batch_size))
-            for group_start in range(0, len(batch_starts), cfg.grad_accum):
-                group = batch_starts[group_start : group_start + cfg.grad_accum]
+        while epoch < cfg.epochs:
+            if consumed == 0:
+                torch.manual_seed(cfg.seed + epoch)
+                tally = _EpochTally(hits=[0.0] * ttt, tokens=[0] * ttt)
+            for share in data.rank_steps(epoch, cfg.seed, cfg.samples_per_step, consumed, rank, world):
+                # N_j: counted positions of TTT step j over the whole step, all ranks. The step's loss is
+                # L = sum_j decay^j * (sum of CE_j over them) / N_j: every micro-batch adds its part.
+                step_tokens = torch.tensor(
+                    [_sample_ttt_tokens(s, ttt, cfg.max_length) for s in share.samples] or [[0] * ttt],
+                    dtype=torch.float64,
+                ).sum(0)
+                _sum_across_ranks([step_tokens], world)
+                step_tokens_on_device = step_tokens.to(device)
                 optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                step_acc = [0.0] * cfg.ttt_length
-                step_count = [0] * cfg.ttt_length
-                for start in group:
-                    chosen = [data[i] for i in order[start : start + cfg.batch_size]]
-                    if compiled:
-                        batch = collate_samples(
-                            chosen, device, cfg.max_length, cfg.batch_size, cfg.pad_multiple
-                        )
-                    else:
-                        batch = collate_samples(chosen, device, cfg.max_length)
+                # This rank's loss, hits per TTT step, real and computed tokens (summed over ranks below).
+                sums = torch.zeros(ttt + 3, dtype=torch.float64)
+                for rows in _micro_batch_rows(share.samples, cfg):
+                    batch = collate_rows(
+                        rows,
+                        device,
+                        cfg.max_length,
+                        cfg.batch_size if compiled and cfg.pack_tokens is None else None,
+                        cfg.pad_multiple if compiled else None,
+                    )
                     with _autocast(device):
-                        loss, metrics = loss_fn(drafter, batch, head, cfg.ttt_length, cfg.step_decay)
-                    (loss / len(group)).backward()
-                    step_loss += float(loss.detach()) / len(group)
-                    for j in range(cfg.ttt_length):
-                        step_acc[j] += metrics["acc"][j] * metrics["tokens"][j]
-                        step_count[j] += metrics["tokens"][j]
-                grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                        loss, metrics = loss_fn(
+                            drafter, batch, head, ttt, cfg.step_decay, step_tokens_on_device
+                        )
+                    loss.backward()  # accumulates dL/dθ over this rank's part of the step
+                    sums[0] += float(loss.detach())
+                    sums[1 : ttt + 1] += torch.tensor(metrics["acc"], dtype=torch.float64) * torch.tensor(
+                        metrics["tokens"], dtype=torch.float64
+                    )
+                    sums[ttt + 1] += float(batch["lengths"].sum())
+                    sums[ttt + 2] += batch["input_ids"].numel()
+                # Sum of every rank's part = the gradient of the whole step (zeros from an idle rank).
+                for param in params:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                _sum_across_ranks([cast(Tensor, p.grad) for p in params], world)
+                _sum_across_ranks([sums], world)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
+                consumed += share.step_samples
+
+                step_loss = float(sums[0])
+                hits = sums[1 : ttt + 1].tolist()
+                tokens = [int(n) for n in step_tokens.tolist()]
                 record = {
                     "step": global_step,
                     "epoch": epoch,
+                    "samples": share.step_samples,
                     "loss": step_loss,
                     "lr": optimizer.param_groups[0]["lr"],
                     "grad_norm": float(grad_norm),
-                    "acc": [a / c if c else 0.0 for a, c in zip(step_acc, step_count, strict=True)],
-                    "tokens": step_count,
+                    "acc": [h / n if n else 0.0 for h, n in zip(hits, tokens, strict=True)],
+                    "tokens": tokens,
                 }
                 history.append(record)
-                epoch_loss += step_loss
-                epoch_batches += 1
-                for j in range(cfg.ttt_length):
-                    token_acc[j] += step_acc[j]
-                    token_count[j] += step_count[j]
+                tally.add(record, hits, int(sums[ttt + 1]), int(sums[ttt + 2]))
                 if on_step is not None:
                     on_step(global_step, record)
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{step_loss:.3f}", acc0=f"{record['acc'][0]:.2f}")
-            summary = {
-                "epoch": epoch,
-                "loss": epoch_loss / max(1, epoch_batches),
-                "acc": [a / c if c else 0.0 for a, c in zip(token_acc, token_count, strict=True)],
-                "tokens": token_count,
-                "steps": global_step,
-            }
+                every = cfg.checkpoint_every_steps
+                if every and global_step % every == 0 and consumed < data.num_samples:
+                    checkpoint()  # (the epoch's last step checkpoints just below)
+            summary = tally.summary(epoch, global_step)
             epoch_history.append(summary)
+            epoch, consumed = epoch + 1, 0
             if on_epoch is not None:
-                # A CPU copy: the optimizer keeps updating its live state tensors in place.
-                resume = _cpu_copy(
-                    _state(optimizer, scheduler, epoch + 1, global_step, history, epoch_history)
-                )
-                on_epoch(epoch, {**summary, "resume_state": resume})
+                on_epoch(summary["epoch"], summary)
+            checkpoint()
     finally:
         if progress is not None:
             progress.close()
     drafter.eval()
-    state = _state(optimizer, scheduler, cfg.epochs, global_step, history, epoch_history)
     final = dict(epoch_history[-1]) if epoch_history else {}
-    return TrainResult(history=history, epochs=epoch_history, final_metrics=final, state=state)
+    return TrainResult(history=history, epochs=epoch_history, final_metrics=final, state=current_state())

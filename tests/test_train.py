@@ -154,7 +154,8 @@ def test_training_learns_and_is_deterministic(target_and_samples, tmp_path: Path
         on_epoch=lambda _e, m: epochs.append(m),
     )
     assert steps == list(range(1, 4 * 4 + 1))
-    assert len(epochs) == 4 and "resume_state" in epochs[0]
+    assert len(epochs) == 4 and epochs[0]["real_tokens"] == sum(s["input_ids"].shape[0] for s in samples)
+    assert 0.5 < epochs[0]["packing_efficiency"] < 1  # unpacked: rows padded to their batch's longest
     first, last = result.epochs[0], result.epochs[-1]
     assert last["loss"] < first["loss"] - 0.3
     assert len(last["acc"]) == 3
@@ -189,12 +190,12 @@ def test_resume_continues_exactly(target_and_samples) -> None:  # type: ignore[n
     after_first: dict[str, object] = {}
     drafter = new_drafter(model)
 
-    def keep_first(epoch: int, metrics: dict[str, object]) -> None:
-        if epoch == 0:
-            after_first["state"] = metrics["resume_state"]
+    def keep_first(state: dict[str, object]) -> None:
+        if state["epoch"] == 1:
+            after_first["state"] = state
             after_first["weights"] = {k: v.clone() for k, v in drafter.state_dict().items()}
 
-    straight = train_drafter(drafter, samples, head, cfg, on_epoch=keep_first)
+    straight = train_drafter(drafter, samples, head, cfg, on_checkpoint=keep_first)
     assert straight.state["global_step"] == 6
     restarted = new_drafter(model, seed=99)
     restarted.load_state_dict(after_first["weights"])  # type: ignore[arg-type]

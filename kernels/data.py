@@ -1,0 +1,189 @@
+"""Streamed training data: hidden-state samples read shard by shard, in a seeded global order.
+
+Every epoch has one global order of samples that does not depend on the number of workers:
+
+1. the shards are shuffled (seeded by seed and epoch) and cut into windows of ``window_shards``;
+2. the samples of each window are shuffled together (the bounded shuffle buffer: at most one window
+   of shards is ever held), windows following each other.
+
+Optimizer step k of the epoch trains samples ``order[k*S : (k+1)*S]`` (S samples per step), so a data
+position is just (epoch, samples consumed), valid for any number of workers. Ranks split the work by
+shard: inside each window, shards go to ranks by estimated tokens (longest-processing-time first), and a
+rank trains the samples of each step that come from its shards (possibly none: it then contributes a
+zero gradient). Every sample is trained exactly once per epoch, by exactly one rank, and every rank
+reads only its own shards, lazily, on a background thread a bounded number of shards ahead.
+
+The shard reader is injected (``load_shard(name) -> samples``): kernels know nothing of storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from torch import Tensor
+
+__all__ = ["SampleKey", "ShardRef", "ShardedSamples", "StepShare"]
+
+# (shard index in the dataset's shard list, sample index inside the shard)
+SampleKey = tuple[int, int]
+Samples = Sequence[Mapping[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    name: str
+    num_samples: int
+    work: int  # estimated training cost (tokens, or bytes ~ tokens): balances shards between ranks
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """One rank's part of one optimizer step."""
+
+    step_samples: int  # samples of the whole step, over all ranks
+    keys: list[SampleKey]  # this rank's samples, in global order
+    samples: list[Mapping[str, Tensor]]
+
+
+class ShardedSamples:
+    """Samples spread over shards, read lazily through ``load_shard`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        shards: Sequence[ShardRef],
+        load_shard: Callable[[str], Samples],
+        *,
+        window_shards: int = 8,
+        prefetch_shards: int = 2,
+    ) -> None:
+        if not shards or not any(shard.num_samples for shard in shards):
+            raise ValueError("no training samples")
+        if window_shards < 1 or prefetch_shards < 1:
+            raise ValueError("window_shards and prefetch_shards must be at least 1")
+        self.shards = list(shards)
+        self.load_shard = load_shard
+        self.window_shards = window_shards
+        self.prefetch_shards = prefetch_shards
+
+    @classmethod
+    def in_memory(cls, samples: Samples) -> ShardedSamples:
+        """Samples already in memory: one shard, one window (a full shuffle every epoch)."""
+        listed = list(samples)
+        work = sum(int(s["input_ids"].shape[0]) for s in listed)
+        return cls([ShardRef("memory", len(listed), work)], lambda _name: listed)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(shard.num_samples for shard in self.shards)
+
+    def epoch_windows(self, epoch: int, seed: int) -> list[list[int]]:
+        """Shard indices of each shuffle window of ``epoch``, each window in index order (so that its
+        sample order does not depend on how the shards inside it were permuted)."""
+        shard_order = list(range(len(self.shards)))
+        random.Random(f"shards:{seed}:{epoch}").shuffle(shard_order)
+        size = self.window_shards
+        return [sorted(shard_order[i : i + size]) for i in range(0, len(shard_order), size)]
+
+    def epoch_order(self, epoch: int, seed: int) -> list[SampleKey]:
+        """The global sample order of ``epoch``: each window's samples shuffled together."""
+        rng = random.Random(seed * 1_000_003 + epoch)
+        order: list[SampleKey] = []
+        for window in self.epoch_windows(epoch, seed):
+            keys = [(shard, index) for shard in window for index in range(self.shards[shard].num_samples)]
+            rng.shuffle(keys)
+            order.extend(keys)
+        return order
+
+    def shard_owners(self, epoch: int, seed: int, world: int) -> dict[int, int]:
+        """Rank of each shard in ``epoch``: per window, heaviest shard first to the least-loaded rank."""
+        owners: dict[int, int] = {}
+        for window in self.epoch_windows(epoch, seed):
+            load = [0] * world
+            for shard in sorted(window, key=lambda s: (-self.shards[s].work, s)):
+                rank = min(range(world), key=lambda r: (load[r], r))
+                owners[shard] = rank
+                load[rank] += self.shards[shard].work
+        return owners
+
+    def rank_steps(
+        self, epoch: int, seed: int, samples_per_step: int, start: int, rank: int, world: int
+    ) -> Iterator[StepShare]:
+        """This rank's share of every optimizer step of ``epoch`` from sample position ``start`` on."""
+        order = self.epoch_order(epoch, seed)
+        owners = self.shard_owners(epoch, seed, world)
+        mine = [key for key in order[start:] if owners[key[0]] == rank]
+        remaining = Counter(shard for shard, _ in mine)
+        reads = list(dict.fromkeys(shard for shard, _ in mine))  # first-use order
+        loaded: dict[int, Samples] = {}
+        with _ShardPrefetcher(
+            self.load_shard, [self.shards[s].name for s in reads], self.prefetch_shards
+        ) as prefetcher:
+            for step_start in range(start, len(order), samples_per_step):
+                step_keys = order[step_start : step_start + samples_per_step]
+                keys = [key for key in step_keys if owners[key[0]] == rank]
+                samples = []
+                for shard, index in keys:
+                    if shard not in loaded:
+                        loaded[shard] = prefetcher.next(self.shards[shard].name)
+                    samples.append(loaded[shard][index])
+                    remaining[shard] -= 1
+                    if not remaining[shard]:
+                        del loaded[shard]  # the step's own references keep what it still needs
+                yield StepShare(step_samples=len(step_keys), keys=keys, samples=samples)
+
+
+class _ShardPrefetcher:
+    """Reads ``names`` in order on a background thread, at most ``depth`` shards ahead of the consumer
+    (plus the one being read)."""
+
+    def __init__(self, load: Callable[[str], Samples], names: Sequence[str], depth: int) -> None:
+        self._load = load
+        self._names = list(names)
+        self._queue: queue.Queue[tuple[str, Samples | None, BaseException | None]] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
+
+    def __enter__(self) -> _ShardPrefetcher:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):  # unblock a pending put
+                self._queue.get(timeout=0.05)
+        self._thread.join()
+
+    def _run(self) -> None:
+        for name in self._names:
+            if self._stop.is_set():
+                return
+            try:
+                item: tuple[str, Samples | None, BaseException | None] = (name, self._load(name), None)
+            except BaseException as error:  # handed to the consumer, raised there
+                item = (name, None, error)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def next(self, expected: str) -> Samples:
+        name, samples, error = self._queue.get()
+        if error is not None:
+            raise RuntimeError(f"reading shard {name!r} failed: {error}") from error
+        if name != expected or samples is None:
+            raise RuntimeError(f"shard prefetch out of order: got {name!r}, expected {expected!r}")
+        return samples

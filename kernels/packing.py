@@ -1,0 +1,106 @@
+"""Sample packing: variable-length samples in token-budget rows, and batching rows for the TTT loss.
+
+A packed row holds several samples back to back. The batch then carries, per token, ``segment_ids``
+(which sample of its row the token belongs to, -1 for padding) and ``position_ids`` (restarting at 0
+for every sample); :func:`draftloop.kernels.train.ttt_loss` turns them into a block-diagonal causal
+mask for every TTT step and counts a prediction only when its anchor and the predicted token are in
+the same sample. An unpacked batch (one sample per row) carries neither: right padding alone keeps
+samples apart there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedRows", "collate_rows", "pack_first_fit_decreasing", "sample_length"]
+
+# Row layout of a packed batch: for each row, the samples it holds in order.
+PackedRows = Sequence[Sequence[Mapping[str, Tensor]]]
+
+
+def sample_length(sample: Mapping[str, Tensor], max_length: int | None = None) -> int:
+    """Tokens of ``sample`` that training uses (truncated to ``max_length``)."""
+    length = int(sample["input_ids"].shape[0])
+    return min(length, max_length) if max_length is not None else length
+
+
+def pack_first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices into rows of at most ``token_budget`` tokens, first-fit decreasing.
+
+    Longest first, each into the first row with room; a sample longer than the budget gets a row of
+    its own. Deterministic (ties keep index order), so every rank and every run packs alike.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token budget must be positive, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in order:
+        length = lengths[index]
+        for row, free in enumerate(room):
+            if length <= free:
+                rows[row].append(index)
+                room[row] -= length
+                break
+        else:
+            rows.append([index])
+            room.append(max(0, token_budget - length))
+    return rows
+
+
+def collate_rows(
+    rows: PackedRows,
+    device: torch.device | str = "cpu",
+    max_length: int | None = None,
+    batch_size: int | None = None,
+    pad_multiple: int | None = None,
+) -> dict[str, Tensor]:
+    """Right-pad rows of samples into a batch: input_ids/loss_mask [B, L], aux/last [B, L, *],
+    lengths [B] (real tokens per row), and — when some row holds more than one sample —
+    segment_ids and position_ids [B, L].
+
+    ``batch_size`` adds empty rows (length 0, nothing counted) up to that many; ``pad_multiple`` rounds
+    L up to a multiple — both keep the shapes a compiled loss sees few.
+    """
+    if not rows or not all(rows):
+        raise ValueError("a batch needs at least one row and every row at least one sample")
+    first = rows[0][0]
+    row_lengths = [[sample_length(s, max_length) for s in row] for row in rows]
+    lengths = [sum(row) for row in row_lengths]
+    length = max(lengths)
+    if pad_multiple:
+        length = -(-length // pad_multiple) * pad_multiple
+    batch = max(len(rows), batch_size or 0)
+    lengths += [0] * (batch - len(rows))
+    input_ids = torch.zeros(batch, length, dtype=torch.int64)
+    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
+    aux = torch.zeros(batch, length, int(first["aux_hidden"].shape[-1]), dtype=first["aux_hidden"].dtype)
+    last = torch.zeros(batch, length, int(first["last_hidden"].shape[-1]), dtype=first["last_hidden"].dtype)
+    packed = any(len(row) > 1 for row in rows)
+    segment_ids = torch.full((batch, length), -1, dtype=torch.int64)
+    position_ids = torch.zeros(batch, length, dtype=torch.int64)
+    for row_index, (row, sizes) in enumerate(zip(rows, row_lengths, strict=True)):
+        start = 0
+        for segment, (sample, n) in enumerate(zip(row, sizes, strict=True)):
+            end = start + n
+            input_ids[row_index, start:end] = sample["input_ids"][:n]
+            loss_mask[row_index, start:end] = sample["loss_mask"][:n].bool()
+            aux[row_index, start:end] = sample["aux_hidden"][:n]
+            last[row_index, start:end] = sample["last_hidden"][:n]
+            segment_ids[row_index, start:end] = segment
+            position_ids[row_index, start:end] = torch.arange(n)
+            start = end
+    out = {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "aux_hidden": aux,
+        "last_hidden": last,
+        "lengths": torch.tensor(lengths, dtype=torch.int64),
+    }
+    if packed:
+        out["segment_ids"] = segment_ids
+        out["position_ids"] = position_ids
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in out.items()}

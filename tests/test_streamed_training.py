@@ -1,0 +1,183 @@
+"""Streamed training over shards: equal to in-memory training, every sample exactly once per epoch
+whatever the number of ranks, and a mid-epoch resume from 1 to 2 workers (gloo, two processes)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from synthetic_training import new_drafter, synthetic_samples, target_tensors
+
+from draftloop.kernels.data import SampleKey, ShardedSamples, ShardRef, StepShare
+from draftloop.kernels.train import TrainConfig, train_drafter
+
+Sample = dict[str, torch.Tensor]
+
+
+class RecordingShards(ShardedSamples):
+    """Shards of in-memory samples; records each shard read, how many shards are held at once, and
+    which samples each step trains."""
+
+    def __init__(self, shards: Sequence[Sequence[Sample]], **options: Any) -> None:
+        self.contents = {f"shard-{i:02d}": list(samples) for i, samples in enumerate(shards)}
+        refs = [
+            ShardRef(name, len(samples), sum(len(s["input_ids"]) for s in samples))
+            for name, samples in self.contents.items()
+        ]
+        super().__init__(refs, self._load, **options)
+        self.reads: list[str] = []
+        self.trained: list[tuple[int, SampleKey]] = []
+        self.lock = threading.Lock()
+
+    def _load(self, name: str) -> Sequence[Sample]:
+        with self.lock:
+            self.reads.append(name)
+        return self.contents[name]
+
+    def rank_steps(
+        self, epoch: int, seed: int, samples_per_step: int, start: int, rank: int, world: int
+    ) -> Iterator[StepShare]:
+        for share in super().rank_steps(epoch, seed, samples_per_step, start, rank, world):
+            self.trained.extend((epoch, key) for key in share.keys)
+            yield share
+
+
+def split(samples: list[Sample], sizes: Sequence[int]) -> list[list[Sample]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(samples[start : start + size])
+        start += size
+    assert start == len(samples)
+    return out
+
+
+CFG = {"ttt_length": 2, "epochs": 2, "batch_size": 3, "grad_accum": 2, "lr": 3e-3, "show_progress": False}
+
+
+def test_streamed_training_equals_in_memory() -> None:
+    embed, lm_head = target_tensors()
+    samples = synthetic_samples(22, seed=7)
+    cfg = TrainConfig(**CFG)
+    in_memory = new_drafter(embed)
+    want = train_drafter(in_memory, samples, lm_head, cfg)
+    # One shuffle window over every shard: the same global order as in memory, so the same weights.
+    shards = RecordingShards(split(samples, [5, 9, 1, 7]), window_shards=4, prefetch_shards=1)
+    streamed = new_drafter(embed)
+    got = train_drafter(streamed, shards, lm_head, cfg)
+    assert [h["loss"] for h in got.history] == [h["loss"] for h in want.history]
+    for name, tensor in in_memory.state_dict().items():
+        assert torch.equal(streamed.state_dict()[name], tensor), name
+    assert Counter(shards.reads) == {name: cfg.epochs for name in shards.contents}  # once per epoch
+
+
+def test_bounded_window_reads_lazily_and_trains_every_sample_once() -> None:
+    embed, lm_head = target_tensors()
+    samples = synthetic_samples(22, seed=7)
+    shards = RecordingShards(split(samples, [5, 9, 1, 7]), window_shards=1, prefetch_shards=1)
+    result = train_drafter(new_drafter(embed), shards, lm_head, TrainConfig(**CFG))
+    for epoch in range(2):
+        keys = [key for e, key in shards.trained if e == epoch]
+        assert sorted(keys) == sorted(
+            (s, i) for s, ref in enumerate(shards.shards) for i in range(ref.num_samples)
+        )
+    # One shard per window: shards are read in the epoch's shard order, one after the other.
+    per_epoch = [shards.reads[:4], shards.reads[4:]]
+    assert per_epoch[0] != per_epoch[1] and sorted(per_epoch[0]) == sorted(shards.contents)
+    assert result.epochs[-1]["real_tokens"] == sum(len(s["input_ids"]) for s in samples)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_uneven_ranks_drop_no_sample(world: int) -> None:
+    """Shards of very different sizes over 1-4 ranks: per epoch every sample exactly once over all ranks,
+    every rank the same number of optimizer steps (some with nothing to train), same step sizes."""
+    samples = synthetic_samples(31, seed=11, max_len=8)
+    data = RecordingShards(split(samples, [1, 12, 2, 3, 9, 4]), window_shards=3)
+    everything = sorted((s, i) for s, ref in enumerate(data.shards) for i in range(ref.num_samples))
+    for epoch in range(3):
+        steps = [list(data.rank_steps(epoch, 0, 4, 0, rank, world)) for rank in range(world)]
+        assert len({len(rank_steps) for rank_steps in steps}) == 1 and len(steps[0]) == 8  # ceil(31 / 4)
+        for index in range(len(steps[0])):
+            shares = [rank_steps[index] for rank_steps in steps]
+            assert len({share.step_samples for share in shares}) == 1
+            assert sum(len(share.keys) for share in shares) == shares[0].step_samples
+        seen = [key for rank_steps in steps for share in rank_steps for key in share.keys]
+        assert sorted(seen) == everything
+        if world > 1:  # each rank reads only its own shards
+            owners = data.shard_owners(epoch, 0, world)
+            for rank, rank_steps in enumerate(steps):
+                assert all(owners[s] == rank for share in rank_steps for s, _ in share.keys)
+
+
+# ---------------------------------------------------------------------------------------- resume 1 -> 2
+
+
+def _resumed_worker(rank: int, world: int, init_file: str, job: Mapping[str, Any], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        drafter = new_drafter(job["embed"])
+        drafter.load_state_dict(job["weights"])
+        data = RecordingShards(job["shards"], window_shards=2)
+        result = train_drafter(
+            drafter, data, job["lm_head"], job["cfg"], rank=rank, world=world, resume_state=job["state"]
+        )
+        torch.save(
+            {"trained": data.trained, "weights": drafter.state_dict(), "history": result.history},
+            Path(out_dir) / f"rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_mid_epoch_resume_from_one_to_two_workers(tmp_path: Path) -> None:
+    embed, lm_head = target_tensors()
+    samples = synthetic_samples(26, seed=13)
+    shards = split(samples, [6, 3, 8, 2, 7])
+    cfg = TrainConfig(**CFG, checkpoint_every_steps=2)  # 5 steps per epoch, 10 in all
+    straight_drafter = new_drafter(embed)
+    straight = train_drafter(straight_drafter, RecordingShards(shards, window_shards=2), lm_head, cfg)
+
+    # One worker, interrupted right after the checkpoint of step 2: mid-epoch 0, 12 of 26 samples done.
+    drafter = new_drafter(embed)
+    first = RecordingShards(shards, window_shards=2)
+    saved: dict[str, Any] = {}
+
+    def checkpoint(state: dict[str, Any]) -> None:
+        if state["global_step"] == 2:
+            saved.update(state=state, weights={k: v.clone() for k, v in drafter.state_dict().items()})
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        train_drafter(drafter, first, lm_head, cfg, on_checkpoint=checkpoint)
+    assert saved["state"]["epoch"] == 0 and saved["state"]["consumed"] == 12
+    done_before = first.trained[:12]
+
+    job = {"embed": embed, "lm_head": lm_head, "shards": shards, "cfg": cfg, **saved}
+    mp.spawn(_resumed_worker, args=(2, str(tmp_path / "pg"), job, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    everything = sorted((s, i) for s, part in enumerate(shards) for i in range(len(part)))
+    for epoch in range(2):
+        trained = [key for e, key in done_before if e == epoch]
+        trained += [key for rank in ranks for e, key in rank["trained"] if e == epoch]
+        assert sorted(trained) == everything, f"epoch {epoch}"
+    assert all(rank["trained"] for rank in ranks)  # both workers did work
+    # The global steps do not depend on the worker count: the resumed run ends where the straight one does.
+    assert [h["samples"] for h in ranks[0]["history"]] == [h["samples"] for h in straight.history]
+    assert [h["loss"] for h in ranks[0]["history"]] == pytest.approx(
+        [h["loss"] for h in straight.history], rel=1e-4
+    )
+    for name, tensor in straight_drafter.state_dict().items():
+        torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        assert torch.equal(ranks[1]["weights"][name], ranks[0]["weights"][name]), name
