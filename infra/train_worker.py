@@ -1,9 +1,11 @@
 """The body of one Ray Train worker of the train stage (no Prefect, no MLflow here).
 
-Data parallelism: each worker reads its own shards (round-robin by rank), gradients are averaged
-across workers after every backward pass and weights start identical (broadcast from rank 0), so every
-worker takes the same optimizer step, which is what DDP does. Rank 0 writes a checkpoint (drafter
-weights + optimizer/scheduler state) after every epoch; a re-run resumes from the last complete one.
+Data parallelism (kernels/data.py): every worker sees the whole hidden-state dataset as shards read
+lazily from storage, trains the samples of each optimizer step that come from the shards it owns, and
+the step's gradient is summed over workers inside `train_drafter`; weights start identical (broadcast
+from rank 0), so every worker takes the same optimizer step and a run's steps do not depend on the
+worker count. Rank 0 writes a checkpoint (drafter weights + the resume state) after every epoch; a
+re-run resumes from the last complete one, with any number of workers.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.storage import Manifest, read_shard
+from draftloop.infra.storage import Manifest, StorageOptions, read_shard
 from draftloop.kernels.checkpoint import load_drafter, load_target_head
+from draftloop.kernels.data import ShardedSamples, ShardRef
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
@@ -30,29 +33,47 @@ from draftloop.kernels.train import TrainConfig, train_drafter
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
 
 CHECKPOINT_DONE = "COMPLETE"
+Sample = Mapping[str, torch.Tensor]
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest epoch checkpoint whose write completed (the marker is written last)."""
-    done = sorted(path.parent for path in folder.glob(f"epoch-*/{CHECKPOINT_DONE}"))
+    """The newest checkpoint whose write completed (the marker is written last)."""
+    done = sorted(path.parent for path in folder.glob(f"step-*/{CHECKPOINT_DONE}"))
     return done[-1] if done else None
 
 
-def _read_samples(
-    manifest_json: dict[str, Any], options: dict[str, Any], rank: int, world: int
-) -> list[dict[str, torch.Tensor]]:
-    manifest = Manifest.model_validate(manifest_json)
-    samples: list[dict[str, torch.Tensor]] = []
-    for index, info in enumerate(manifest.shards):
-        if index % world != rank or not info.name.endswith(".safetensors"):
-            continue
-        tensors, _ = shard_from_bytes(read_shard(manifest, info.name, options))
-        samples.extend({k: v.clone() for k, v in sample.items()} for sample in iter_hidden_samples(tensors))
-    return samples
+def _hidden_shards(manifest: Manifest, options: StorageOptions) -> ShardedSamples:
+    """The dataset's hidden-state shards, each read (integrity-checked) only when training needs it."""
+
+    def load_shard(name: str) -> list[Sample]:
+        tensors, _ = shard_from_bytes(read_shard(manifest, name, options))
+        return [{k: v.clone() for k, v in sample.items()} for sample in iter_hidden_samples(tensors)]
+
+    # A shard's size stands in for its tokens when shards are split between workers.
+    shards = [
+        ShardRef(info.name, info.rows, info.size)
+        for info in manifest.shards
+        if info.name.endswith(".safetensors")
+    ]
+    return ShardedSamples(shards, load_shard)
+
+
+def _draft_vocab_counts(data: ShardedSamples, vocab_size: int, rank: int, world: int) -> torch.Tensor:
+    """Assistant-token counts over the whole dataset (each worker counts every world-th shard)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for index, shard in enumerate(data.shards):
+        if index % world == rank:
+            samples = data.load_shard(shard.name)
+            counts += count_tokens(
+                (s["input_ids"] for s in samples), vocab_size, (s["loss_mask"].long() for s in samples)
+            )
+    if world > 1:
+        dist.all_reduce(counts)
+    return counts
 
 
 def _build_drafter(
-    loop: dict[str, Any], samples: list[dict[str, torch.Tensor]], distributed: bool
+    loop: dict[str, Any], data: ShardedSamples, rank: int, world: int
 ) -> tuple[Eagle3Drafter, torch.Tensor]:
     """(drafter with embeddings attached, target lm_head) — fresh from the target, or `drafter_init`."""
     embed, lm_head, final_norm = load_target_head(loop["target_path"])
@@ -65,31 +86,13 @@ def _build_drafter(
         torch.manual_seed(int(loop["seed"]))
         drafter = Eagle3Drafter(config)
         vocab_size = int(config.vocab_size)
-        # The draft vocabulary counts assistant tokens over ALL workers' data, so every rank agrees.
-        counts = count_tokens(
-            (s["input_ids"] for s in samples), vocab_size, (s["loss_mask"].long() for s in samples)
-        )
-        if distributed:
-            dist.all_reduce(counts)
-        d2t, t2d = build_draft_vocab(counts, vocab_size, loop["draft_vocab_size"])
-        drafter.set_vocab_mapping(d2t, t2d)
+        if config.draft_vocab_size < vocab_size:  # the draft vocabulary: the most frequent answer tokens
+            counts = _draft_vocab_counts(data, vocab_size, rank, world)
+            drafter.set_vocab_mapping(*build_draft_vocab(counts, vocab_size, config.draft_vocab_size))
         if lm_head.shape[1] == config.hidden_size:
             drafter.init_from_target_head(lm_head, final_norm)
     drafter.attach_embeddings(embed)
     return drafter, lm_head
-
-
-def _average_gradients_across_workers(drafter: Eagle3Drafter, world: int) -> None:
-    """After each backward pass, every trainable parameter's gradient becomes the mean over workers."""
-
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is not None:  # always set: the hook runs after the gradient was accumulated
-            dist.all_reduce(param.grad)
-            param.grad.div_(world)
-
-    for param in drafter.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(hook)
 
 
 def train_loop_per_worker(loop: dict[str, Any]) -> None:
@@ -111,20 +114,12 @@ def train_worker(
     device: torch.device | str,
     report: Callable[[dict[str, Any]], None],
 ) -> None:
-    """Load this rank's shards, (resume and) train, checkpoint every epoch; rank 0 writes `final/`.
+    """(Resume and) train this worker's share, checkpoint every epoch; rank 0 writes `final/`.
 
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
-    distributed = world > 1
-    samples = _read_samples(loop["manifest"], loop["storage_options"], rank, world)
-    if distributed:
-        # Equal step counts on every worker, or the gradient all-reduces would deadlock.
-        count = torch.tensor([len(samples)])
-        dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        samples = samples[: int(count)]
-    if not samples:
-        raise RuntimeError(f"worker {rank} has no training samples")
-    drafter, lm_head = _build_drafter(loop, samples, distributed)
+    data = _hidden_shards(Manifest.model_validate(loop["manifest"]), loop["storage_options"])
+    drafter, lm_head = _build_drafter(loop, data, rank, world)
     work = Path(loop["work_dir"])
     resume_state = None
     resumed_from = None
@@ -134,33 +129,38 @@ def train_worker(
         resume_state = torch.load(checkpoint / "resume.pt", weights_only=False)
         resumed_from = int(resume_state["epoch"])
     drafter.to(device)
-    if distributed:
+    if world > 1:
         for tensor in drafter.state_dict().values():
             dist.broadcast(tensor, src=0)
-        _average_gradients_across_workers(drafter, world)
     settings = TrainConfig(**loop["train_config"])
 
-    def on_epoch(epoch: int, metrics: dict[str, Any]) -> None:
-        state = metrics.pop("resume_state")
-        epoch_report = {"epoch": epoch, "loss": float(metrics["loss"]), "steps": int(metrics["steps"])}
-        if rank == 0:
-            folder = work / f"epoch-{epoch + 1:04d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.cpu() for k, v in drafter.state_dict().items()}, folder / "drafter.pt")
-            torch.save(state, folder / "resume.pt")
-            (folder / CHECKPOINT_DONE).write_text(json.dumps(epoch_report))
-            for older in sorted(work.glob("epoch-*"))[:-2]:  # keep the last two
-                shutil.rmtree(older, ignore_errors=True)
-        report(epoch_report)
+    def on_epoch(epoch: int, summary: dict[str, Any]) -> None:
+        report({"epoch": epoch, "loss": float(summary["loss"]), "steps": int(summary["steps"])})
+
+    def on_checkpoint(state: dict[str, Any]) -> None:
+        if rank != 0:
+            return
+        folder = work / f"step-{int(state['global_step']):08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.cpu() for k, v in drafter.state_dict().items()}, folder / "drafter.pt")
+        torch.save(state, folder / "resume.pt")
+        (folder / CHECKPOINT_DONE).write_text(
+            json.dumps({"epoch": state["epoch"], "consumed": state["consumed"]})
+        )
+        for older in sorted(work.glob("step-*"))[:-2]:  # keep the last two
+            shutil.rmtree(older, ignore_errors=True)
 
     started = time.perf_counter()
     result = train_drafter(
         drafter,
-        samples,
+        data,
         lm_head,
         settings,
         device=device,
+        rank=rank,
+        world=world,
         on_epoch=on_epoch,
+        on_checkpoint=on_checkpoint,
         resume_state=resume_state,
     )
     seconds = time.perf_counter() - started
@@ -173,7 +173,8 @@ def train_worker(
             metadata={"epochs": settings.epochs, "final": result.final_metrics},
         )
         new_steps = result.history[len(resume_state["history"]) if resume_state else 0 :]
-        trained_tokens = sum(record["tokens"][0] for record in new_steps)  # step-0 positions = tokens seen
+        # Step-0 positions of a step over every worker = the tokens that step trained on.
+        trained_tokens = sum(record["tokens"][0] for record in new_steps)
         (final / "result.json").write_text(
             json.dumps(
                 {
@@ -182,9 +183,9 @@ def train_worker(
                     "final": result.final_metrics,
                     "resumed_from_epoch": resumed_from,
                     "seconds": seconds,
-                    "samples_per_worker": len(samples),
+                    "samples": data.num_samples,
                     "workers": world,
-                    "trained_tokens": trained_tokens * world,
+                    "trained_tokens": trained_tokens,
                 }
             )
         )
