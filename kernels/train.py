@@ -304,13 +304,61 @@ def _sum_across_ranks(tensors: Sequence[Tensor], world: int) -> None:
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    # NCCL reduces only CUDA tensors; gloo CPU ones.
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     for group in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
+        flat = torch.cat([t.reshape(-1) for t in group]).to(on or group[0].device)
         dist.all_reduce(flat)
         offset = 0
         for tensor in group:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+
+
+def _sum_gradients_across_ranks(params: Sequence[Tensor], world: int) -> None:
+    for param in params:
+        if param.grad is None:  # this rank had nothing to train in the step
+            param.grad = torch.zeros_like(param)
+    _sum_across_ranks([cast(Tensor, p.grad) for p in params], world)
+
+
+def _step_ttt_tokens(samples: Sequence[Mapping[str, Tensor]], cfg: TrainConfig, world: int) -> Tensor:
+    """Counted positions of each TTT step over one optimizer step's samples on every rank [ttt_length]."""
+    counts = [_sample_ttt_tokens(s, cfg.ttt_length, cfg.max_length) for s in samples]
+    tokens = torch.tensor(counts or [[0] * cfg.ttt_length], dtype=torch.float64).sum(0)
+    _sum_across_ranks([tokens], world)
+    return tokens
+
+
+class _StepSums:
+    """One optimizer step's loss, hits per TTT step, real and computed tokens, summed over micro-batches
+    (and then ranks)."""
+
+    def __init__(self, ttt_length: int) -> None:
+        self.ttt_length = ttt_length
+        self.values = torch.zeros(ttt_length + 3, dtype=torch.float64)  # loss, hits..., real, computed
+
+    def add(self, loss: Tensor, metrics: Mapping[str, Any], batch: Mapping[str, Tensor]) -> None:
+        hits = [a * n for a, n in zip(metrics["acc"], metrics["tokens"], strict=True)]
+        real, computed = float(batch["lengths"].sum()), batch["input_ids"].numel()
+        self.values += torch.tensor([float(loss.detach()), *hits, real, computed], dtype=torch.float64)
+
+    def across_ranks(self, world: int) -> _StepSums:
+        _sum_across_ranks([self.values], world)
+        return self
+
+    def record(self, step_tokens: Tensor) -> dict[str, Any]:
+        ttt = self.ttt_length
+        hits = self.values[1 : ttt + 1].tolist()
+        tokens = [int(n) for n in step_tokens.tolist()]
+        return {
+            "loss": float(self.values[0]),
+            "acc": [h / n if n else 0.0 for h, n in zip(hits, tokens, strict=True)],
+            "hits": hits,
+            "tokens": tokens,
+            "real_tokens": int(self.values[ttt + 1]),
+            "computed_tokens": int(self.values[ttt + 2]),
+        }
 
 
 @dataclass
@@ -324,13 +372,13 @@ class _EpochTally:
     real_tokens: int = 0  # sample tokens trained
     computed_tokens: int = 0  # row slots computed, padding included
 
-    def add(self, record: dict[str, Any], hits: list[float], real_tokens: int, computed_tokens: int) -> None:
+    def add(self, record: Mapping[str, Any]) -> None:
         self.loss += record["loss"]
         self.steps += 1
-        self.hits = [a + h for a, h in zip(self.hits, hits, strict=True)]
+        self.hits = [a + h for a, h in zip(self.hits, record["hits"], strict=True)]
         self.tokens = [a + n for a, n in zip(self.tokens, record["tokens"], strict=True)]
-        self.real_tokens += real_tokens
-        self.computed_tokens += computed_tokens
+        self.real_tokens += record["real_tokens"]
+        self.computed_tokens += record["computed_tokens"]
 
     def summary(self, epoch: int, global_step: int) -> dict[str, Any]:
         return {
@@ -394,6 +442,8 @@ def train_drafter(
     loss_fn: Callable[..., tuple[Tensor, dict[str, Any]]] = (
         cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
     )
+    # Compiled: unpacked batches padded to batch_size rows, and every row to a multiple of pad_multiple.
+    fixed_shape = (cfg.batch_size if cfg.pack_tokens is None else None, cfg.pad_multiple) if compiled else ()
     params = [p for p in drafter.parameters() if p.requires_grad]
     ttt = cfg.ttt_length
 
@@ -441,68 +491,43 @@ def train_drafter(
                 torch.manual_seed(cfg.seed + epoch)
                 tally = _EpochTally(hits=[0.0] * ttt, tokens=[0] * ttt)
             for share in data.rank_steps(epoch, cfg.seed, cfg.samples_per_step, consumed, rank, world):
-                # N_j: counted positions of TTT step j over the whole step, all ranks. The step's loss is
-                # L = sum_j decay^j * (sum of CE_j over them) / N_j: every micro-batch adds its part.
-                step_tokens = torch.tensor(
-                    [_sample_ttt_tokens(s, ttt, cfg.max_length) for s in share.samples] or [[0] * ttt],
-                    dtype=torch.float64,
-                ).sum(0)
-                _sum_across_ranks([step_tokens], world)
-                step_tokens_on_device = step_tokens.to(device)
+                # N_j = counted positions of TTT step j in the whole optimizer step (every rank); the step's
+                # loss is L = sum_j decay^j * (sum of CE_j over those positions) / N_j.
+                step_tokens = _step_ttt_tokens(share.samples, cfg, world)
+                # This rank's micro-batches: their backward passes add up to its part of dL/dθ.
                 optimizer.zero_grad(set_to_none=True)
-                # This rank's loss, hits per TTT step, real and computed tokens (summed over ranks below).
-                sums = torch.zeros(ttt + 3, dtype=torch.float64)
+                sums = _StepSums(ttt)
                 for rows in _micro_batch_rows(share.samples, cfg):
-                    batch = collate_rows(
-                        rows,
-                        device,
-                        cfg.max_length,
-                        cfg.batch_size if compiled and cfg.pack_tokens is None else None,
-                        cfg.pad_multiple if compiled else None,
-                    )
+                    batch = collate_rows(rows, device, cfg.max_length, *fixed_shape)
                     with _autocast(device):
                         loss, metrics = loss_fn(
-                            drafter, batch, head, ttt, cfg.step_decay, step_tokens_on_device
+                            drafter, batch, head, ttt, cfg.step_decay, step_tokens.to(device)
                         )
-                    loss.backward()  # accumulates dL/dθ over this rank's part of the step
-                    sums[0] += float(loss.detach())
-                    sums[1 : ttt + 1] += torch.tensor(metrics["acc"], dtype=torch.float64) * torch.tensor(
-                        metrics["tokens"], dtype=torch.float64
-                    )
-                    sums[ttt + 1] += float(batch["lengths"].sum())
-                    sums[ttt + 2] += batch["input_ids"].numel()
-                # Sum of every rank's part = the gradient of the whole step (zeros from an idle rank).
-                for param in params:
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                _sum_across_ranks([cast(Tensor, p.grad) for p in params], world)
-                _sum_across_ranks([sums], world)
+                    loss.backward()
+                    sums.add(loss, metrics, batch)
+                # dL/dθ = the sum of every rank's part (an idle rank adds zeros); clip, then one AdamW step.
+                _sum_gradients_across_ranks(params, world)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
                 consumed += share.step_samples
 
-                step_loss = float(sums[0])
-                hits = sums[1 : ttt + 1].tolist()
-                tokens = [int(n) for n in step_tokens.tolist()]
-                record = {
-                    "step": global_step,
-                    "epoch": epoch,
-                    "samples": share.step_samples,
-                    "loss": step_loss,
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "grad_norm": float(grad_norm),
-                    "acc": [h / n if n else 0.0 for h, n in zip(hits, tokens, strict=True)],
-                    "tokens": tokens,
-                }
+                record = sums.across_ranks(world).record(step_tokens)
+                record.update(
+                    step=global_step,
+                    epoch=epoch,
+                    samples=share.step_samples,
+                    lr=optimizer.param_groups[0]["lr"],
+                    grad_norm=float(grad_norm),
+                )
                 history.append(record)
-                tally.add(record, hits, int(sums[ttt + 1]), int(sums[ttt + 2]))
+                tally.add(record)
                 if on_step is not None:
                     on_step(global_step, record)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(loss=f"{step_loss:.3f}", acc0=f"{record['acc'][0]:.2f}")
+                    progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.2f}")
                 every = cfg.checkpoint_every_steps
                 if every and global_step % every == 0 and consumed < data.num_samples:
                     checkpoint()  # (the epoch's last step checkpoints just below)
