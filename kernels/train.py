@@ -133,26 +133,33 @@ def draft_target_head(drafter: Eagle3Drafter, lm_head_weight: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------- loss
 
 
-def _sample_layout(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(segment_ids [B, L] (-1 = padding), position_ids [B, L], attention bias or None) of a batch."""
+def _segments(batch: Mapping[str, Tensor]) -> Tensor:
+    """Which sample of its row each token belongs to [B, L] (-1 = padding)."""
+    if "segment_ids" in batch:
+        return batch["segment_ids"]
+    positions = torch.arange(batch["input_ids"].shape[1], device=batch["input_ids"].device)
+    return torch.where(positions[None, :] < batch["lengths"][:, None], 0, -1)
+
+
+def _positions_and_mask(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """(position_ids [B, L], additive attention bias [B, 1, L, L] or None for plain causal)."""
     input_ids = batch["input_ids"]
     bsz, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device)
-    if "segment_ids" not in batch:  # one sample per row: plain causal attention
-        segments = torch.where(positions[None, :] < batch["lengths"][:, None], 0, -1)
-        return segments, positions[None, :].expand(bsz, length), None
+    if "segment_ids" not in batch:  # one sample per row: causal attention never reaches the padding
+        return positions[None, :].expand(bsz, length), None
     segments = batch["segment_ids"]
     # Block-diagonal causal: query t sees key s iff s <= t in the same sample (padding sees padding, so
     # no row is fully masked). The same mask covers the step-0 keys in every TTT step.
     visible = (segments[:, :, None] == segments[:, None, :]) & (positions[None, :] <= positions[:, None])
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=input_ids.device)
-    return segments, batch["position_ids"], bias.masked_fill(~visible, float("-inf"))[:, None]
+    return batch["position_ids"], bias.masked_fill(~visible, float("-inf"))[:, None]
 
 
 def ttt_weights(batch: Mapping[str, Tensor], ttt_length: int) -> Tensor:
     """Counted positions [ttt_length, B, L]: at step j, anchor t counts when x_{t+2+j} is an assistant
     token of the same sample (so no target, token or loss crosses a sample boundary)."""
-    segments, _, _ = _sample_layout(batch)
+    segments = _segments(batch)
     length = segments.shape[1]
     pad = ttt_length + 2
     segments_ahead = F.pad(segments, (0, pad), value=-1)
@@ -183,7 +190,7 @@ def ttt_loss(
     """
     input_ids = batch["input_ids"]
     length = input_ids.shape[1]
-    _, position_ids, attn_bias = _sample_layout(batch)
+    position_ids, attn_bias = _positions_and_mask(batch)
     weights = ttt_weights(batch, ttt_length).float()
 
     with torch.no_grad():
