@@ -91,8 +91,13 @@ class TrainingConfig(_Section):
     warmup_ratio: float = Field(default=0.05, ge=0, le=1)
     weight_decay: float = Field(default=0.0, ge=0)
     grad_clip: float = Field(default=0.5, ge=0)
-    grad_accum: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1)  # batch_size * grad_accum samples per step, all workers together
     seed: int = 0
+    # Pack samples into rows of at most this many tokens (one row per micro-batch); null = one per row.
+    pack_tokens: int | None = Field(default=None, ge=1)
+    checkpoint_every_steps: int | None = Field(default=None, ge=1)  # null = after every epoch only
+    shuffle_window_shards: int = Field(default=8, ge=1)  # shards whose samples are shuffled together
+    prefetch_shards: int = Field(default=2, ge=1)  # shards a worker reads ahead
     num_workers: int = Field(default=1, ge=1)
     num_gpus_per_worker: float = Field(default=0, ge=0)
     # torch.compile the TTT loss: ~2x faster on CUDA after ~2 min of compilation (bench/RESULTS.md).

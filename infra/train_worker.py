@@ -42,7 +42,9 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _hidden_shards(manifest: Manifest, options: StorageOptions) -> ShardedSamples:
+def _hidden_shards(
+    manifest: Manifest, options: StorageOptions, window_shards: int, prefetch_shards: int
+) -> ShardedSamples:
     """The dataset's hidden-state shards, each read (integrity-checked) only when training needs it."""
 
     def load_shard(name: str) -> list[Sample]:
@@ -55,7 +57,7 @@ def _hidden_shards(manifest: Manifest, options: StorageOptions) -> ShardedSample
         for info in manifest.shards
         if info.name.endswith(".safetensors")
     ]
-    return ShardedSamples(shards, load_shard)
+    return ShardedSamples(shards, load_shard, window_shards=window_shards, prefetch_shards=prefetch_shards)
 
 
 def _draft_vocab_counts(data: ShardedSamples, vocab_size: int, rank: int, world: int) -> torch.Tensor:
@@ -118,7 +120,12 @@ def train_worker(
 
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
-    data = _hidden_shards(Manifest.model_validate(loop["manifest"]), loop["storage_options"])
+    data = _hidden_shards(
+        Manifest.model_validate(loop["manifest"]),
+        loop["storage_options"],
+        loop["shuffle_window_shards"],
+        loop["prefetch_shards"],
+    )
     drafter, lm_head = _build_drafter(loop, data, rank, world)
     work = Path(loop["work_dir"])
     resume_state = None
@@ -173,8 +180,8 @@ def train_worker(
             metadata={"epochs": settings.epochs, "final": result.final_metrics},
         )
         new_steps = result.history[len(resume_state["history"]) if resume_state else 0 :]
-        # Step-0 positions of a step over every worker = the tokens that step trained on.
-        trained_tokens = sum(record["tokens"][0] for record in new_steps)
+        # Sample tokens each step trained on, over every worker (padding not counted).
+        trained_tokens = sum(record["real_tokens"] for record in new_steps)
         (final / "result.json").write_text(
             json.dumps(
                 {

@@ -52,6 +52,8 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
         "seed": int(section.seed),
         "engine": str(config.engine.kind),
         "work_dir": str(folder),
+        "shuffle_window_shards": int(section.shuffle_window_shards),
+        "prefetch_shards": int(section.prefetch_shards),
         "train_config": {
             "ttt_length": int(section.ttt_length),
             "epochs": int(section.epochs),
@@ -62,6 +64,8 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
             "grad_clip": float(section.grad_clip),
             "grad_accum": int(section.grad_accum),
             "seed": int(section.seed),
+            "pack_tokens": section.pack_tokens,
+            "checkpoint_every_steps": section.checkpoint_every_steps,
             "max_length": int(config.data.max_length),
             "show_progress": False,
             # training.compile: null = compile the TTT loss when training on GPUs (CUDA only in kernels).
