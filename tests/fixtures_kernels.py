@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,10 @@ def load_target(folder: Path) -> tuple[Any, Any]:
 
 
 def default_layer_ids(target: Any) -> Any:
-    from draftloop.kernels.layer_ids import LayerIds
+    """The aux layer ids the target's family picks for its depth."""
+    from draftloop.kernels.families.base import family_for_config
 
-    return LayerIds.default_for_depth(int(target.config.num_hidden_layers))
+    return family_for_config(target.config).default_aux_layer_ids(int(target.config.num_hidden_layers))
 
 
 def untrained_drafter(target: Any, layer_ids: Any = None, seed: int = 0, **config_kwargs: Any) -> Any:
@@ -153,14 +154,16 @@ def make_constant_drafter(target: Any, agree: bool) -> Any:
 
 
 @torch.no_grad()
-def make_lookup_drafter(target: Any, seed: int = 0) -> Any:
+def make_lookup_drafter(target: Any, seed: int = 0, memorise: Sequence[Sequence[int]] = ()) -> Any:
     """A drafter that is often right about its first draft, built without training.
 
-    A zoo target is close to a Markov chain, t_{q+1} ~ f(t_q) with f(t) = argmax lm_head(norm(embed t)).
+    tiny-llama is close to a Markov chain, t_{q+1} ~ f(t_q) with f(t) = argmax lm_head(norm(embed t)).
     The drafter at position q must guess t_{q+2} ~ f(f(t_q)); its fc copies the first aux layer (close to
     embed t_q) and its lm_head holds, for each token v, the sum of the normalised embeddings of the tokens
-    t with f(f(t)) = v. Attention and MLP keep their random initialisation (so its K/V matter); the
-    chain steps mostly repeat the first draft, so acceptance is partial."""
+    t with f(f(t)) = v. A target that is no Markov chain (tiny-deepseek's next token also depends on
+    tokens further back) gets t -> t' pairs two apart read from `memorise` (token sequences it produced)
+    instead. Attention and MLP keep their random initialisation (so its K/V matter); the chain steps
+    mostly repeat the first draft, so acceptance is partial."""
     drafter = untrained_drafter(target, seed=seed)
     embed = target.get_input_embeddings().weight
     normalised = embed / embed.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
@@ -168,6 +171,9 @@ def make_lookup_drafter(target: Any, seed: int = 0) -> Any:
         -1
     )
     two_ahead = markov_next[markov_next]
+    for tokens in memorise:
+        for token, after_next in zip(tokens, tokens[2:], strict=False):
+            two_ahead[token] = after_next
     hidden = drafter.config.hidden_size
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, :hidden] = torch.eye(hidden)
