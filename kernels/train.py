@@ -284,10 +284,8 @@ def _autocast(device: torch.device) -> AbstractContextManager[Any]:
 def _progress(total: int, enabled: bool, desc: str) -> Any:
     if not enabled:
         return None
-    try:
-        from tqdm.auto import tqdm  # shipped with transformers
-    except ImportError:  # pragma: no cover
-        return None
+    from transformers.utils.logging import tqdm  # transformers' bar: kernels depend on no tqdm of their own
+
     return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
