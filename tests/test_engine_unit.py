@@ -339,6 +339,30 @@ def test_enabler_leaves_native_classes_alone(plugin_patches: Any) -> None:
     assert plugin_patches.eagle3_support(Native) == "native"
 
 
+def test_cpu_rope_patch_rotates_a_flattened_copy_and_writes_back(plugin_patches: Any) -> None:
+    """The rotary op sees [tokens, heads * head_size] copies; a strided 3-D query view (MLA's rope
+    slice of q) gets the result in place."""
+    import torch
+
+    q_full = torch.zeros(3, 4, 8)
+    q_full[..., 4:] = torch.arange(3 * 4 * 4, dtype=torch.float32).view(3, 4, 4)
+    key = torch.ones(3, 1, 4)
+    seen: list[tuple[int, ...]] = []
+
+    def rotate(query_2d: Any, key_2d: Any) -> None:  # stands in for the in-place op: negates
+        seen.extend([tuple(query_2d.shape), tuple(key_2d.shape)])
+        query_2d.neg_()
+        key_2d.mul_(2)
+
+    query = q_full[..., 4:]
+    expected = -query.clone()
+    returned_query, returned_key = plugin_patches.flattened_rotary_call(rotate, query, key)
+    assert seen == [(3, 16), (3, 4)]
+    assert returned_query is query and torch.equal(q_full[..., 4:], expected)
+    assert torch.equal(q_full[..., :4], torch.zeros(3, 4, 4))
+    assert returned_key is key and torch.equal(key, torch.full((3, 1, 4), 2.0))
+
+
 def test_kimi_media_placeholder_alias(plugin_patches: Any) -> None:
     kimi = SimpleNamespace(model_type="kimi_k25", media_placeholder_token_id=163605)
     assert plugin_patches.add_media_placeholder_alias(kimi) is True
@@ -386,12 +410,14 @@ def test_doctor_reports_the_engine_patches_a_family_needs() -> None:
     applied = [
         {"name": "speculative_whitelist", "status": "noop", "detail": "no whitelist"},
         {"name": "kimi_media_alias", "status": "disabled", "detail": "not in DRAFTLOOP_PLUGIN_PATCHES"},
+        {"name": "cpu_rope_3d_query", "status": "applied", "detail": "forward_cpu rotates 2-D copies"},
     ]
     family = describe_family(target, applied)
     assert family["name"] == "deepseek" and family["drafter_attention"] == "mla"
     assert family["engine_patches"] == [
         {"name": "speculative_whitelist", "status": "noop", "ok": True},
         {"name": "kimi_media_alias", "status": "disabled", "ok": False},
+        {"name": "cpu_rope_3d_query", "status": "applied", "ok": True},
     ]
     text = format_report({"engine": "vllm", "patches": applied, "family": family})
     assert "target family deepseek" in text

@@ -229,4 +229,5 @@ def test_engine_doctor_cli_on_a_native_target(zoo_target_dir: Callable[[str], Pa
         "speculative_whitelist": "noop",
         "eagle3_enabler": "applied",
         "kimi_media_alias": "noop",
+        "cpu_rope_3d_query": "applied",
     }

@@ -38,6 +38,6 @@ register_family(
         name="deepseek",
         model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"),
         drafter_attention="mla",
-        engine_patches=("speculative_whitelist", "kimi_media_alias"),
+        engine_patches=("speculative_whitelist", "kimi_media_alias", "cpu_rope_3d_query"),
     )
 )

@@ -10,6 +10,8 @@ vLLM already supports what it adds:
                            captured at the input of the chosen layers (the layer_input convention).
 (c) kimi_media_alias       Kimi configs get image_token_index = media_placeholder_token_id where
                            vLLM's EAGLE proposer reads the former.
+(d) cpu_rope_3d_query      on CPU, the rotary op skips multi-head 3-D queries (MLA's q rope slice):
+                           it is called on 2-D copies.
 
 Environment:
   DRAFTLOOP_PLUGIN_PATCHES   comma-separated patch names to apply, "all" (default) or "none".
@@ -27,6 +29,7 @@ from typing import Any
 
 from draftloop_vllm_plugin.patches import (
     PatchResult,
+    patch_cpu_rope_3d_query,
     patch_eagle3_enabler,
     patch_kimi_media_alias,
     patch_speculative_whitelist,
@@ -43,7 +46,12 @@ if not logger.handlers:
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
-PATCH_NAMES: tuple[str, ...] = ("speculative_whitelist", "eagle3_enabler", "kimi_media_alias")
+PATCH_NAMES: tuple[str, ...] = (
+    "speculative_whitelist",
+    "eagle3_enabler",
+    "kimi_media_alias",
+    "cpu_rope_3d_query",
+)
 _RESULTS: list[PatchResult] | None = None
 
 
@@ -88,6 +96,7 @@ def apply_patches() -> list[PatchResult]:
         ("speculative_whitelist", patch_speculative_whitelist),
         ("eagle3_enabler", lambda: patch_eagle3_enabler(report=write_report)),
         ("kimi_media_alias", patch_kimi_media_alias),
+        ("cpu_rope_3d_query", patch_cpu_rope_3d_query),
     ]
     results: list[PatchResult] = []
     for name, patch in patches:

