@@ -6,10 +6,17 @@ config (model_type llama, or deepseek_v2 for an MLA drafter) with ``eagle_aux_hi
 in the convention of the engine that will read it, any keys that engine adds (``extra_config``), and a
 ``draftloop`` block recording the trained ids in layer_input convention and the full `DrafterConfig`.
 Kernels name no engine: the engine modules (infra/engines/) pass their convention and extra keys.
+
+The draftloop block's ``metadata`` also carries what the drafter was trained against
+(`contract_record`: the target's chat template hash, dtype and quantization, the last hidden state's
+semantics), which the pairing check (infra/engines/pairing.py) compares with what is served. Bad input
+(a truncated or missing weights file, missing or misshapen tensors, non-finite weights, a d2t that is
+not offsets) raises `DrafterFormatError` naming the file and the reason.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -23,22 +30,191 @@ from torch import Tensor
 
 from .drafter import DrafterConfig, Eagle3Drafter
 from .layer_ids import Convention, LayerIds, normalize_convention
+from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
 
 __all__ = [
+    "CHAT_TEMPLATE_KEY",
+    "TARGET_DTYPE_KEY",
+    "TARGET_QUANTIZATION_KEY",
     "DrafterFormatError",
     "LayerIdExportError",
+    "chat_template_sha256",
+    "check_safetensors_file",
+    "check_target_weights",
+    "contract_record",
     "export_speculators",
     "load_drafter",
     "load_target_head",
+    "read_drafter_config",
     "save_drafter",
+    "target_quantization",
+    "vocab_mapping_problem",
 ]
 
 FORMAT_VERSION = 1
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+# Keys of the draftloop block's metadata that record what the drafter was trained against.
+CHAT_TEMPLATE_KEY = "chat_template_sha256"
+TARGET_DTYPE_KEY = "target_dtype"
+TARGET_QUANTIZATION_KEY = "target_quantization"
+
+
 class DrafterFormatError(ValueError):
-    """A drafter or target folder that cannot be read; the message names the file and field."""
+    """A drafter or target folder that cannot be read; the message names the file and the reason.
+
+    ``check`` names what failed (weights, tensors, d2t, final_norm, config) for the pairing report."""
+
+    def __init__(self, message: str, check: str = "format") -> None:
+        super().__init__(message)
+        self.check = check
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps `check` across processes (Ray, Prefect)
+        return (type(self), (str(self), self.check))
+
+
+# --------------------------------------------------------------------------------------------- contract
+
+
+def chat_template_sha256(path: str | os.PathLike[str]) -> str | None:
+    """sha256 of the chat template a tokenizer folder holds (chat_template.jinja, chat_template.json or
+    tokenizer_config.json's ``chat_template``), or of a template file; None when there is none."""
+    source = Path(path)
+    template: Any = None
+    if source.is_file():
+        template = source.read_text()
+    elif (source / "chat_template.jinja").is_file():
+        template = (source / "chat_template.jinja").read_text()
+    else:
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            if (source / name).is_file():
+                template = _read_json(source / name).get("chat_template")
+                if template is not None:
+                    break
+    if template is None:
+        return None
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def target_quantization(target_config: Mapping[str, Any]) -> str | None:
+    """The quantization method a target checkpoint declares (``quantization_config.quant_method``)."""
+    quantization = target_config.get("quantization_config")
+    if not isinstance(quantization, Mapping):
+        text_config = target_config.get("text_config")
+        quantization = text_config.get("quantization_config") if isinstance(text_config, Mapping) else None
+    return str(quantization.get("quant_method", "unknown")) if isinstance(quantization, Mapping) else None
+
+
+def contract_record(
+    target_dir: str | os.PathLike[str], *, target_dtype: str, last_hidden_state: str | None
+) -> dict[str, Any]:
+    """What a drafter is trained against, for its draftloop block's metadata: the target tokenizer's chat
+    template (synthesis and extraction render conversations with it), the dtype and quantization the
+    target ran in when its hidden states were extracted, and those hidden states' last-state semantics."""
+    folder = Path(target_dir)
+    return {
+        CHAT_TEMPLATE_KEY: chat_template_sha256(folder),
+        TARGET_DTYPE_KEY: target_dtype,
+        TARGET_QUANTIZATION_KEY: target_quantization(_read_json(folder / "config.json")),
+        LAST_HIDDEN_STATE_KEY: last_hidden_state,
+    }
+
+
+def vocab_mapping_problem(d2t: Tensor, t2d: Tensor | None, vocab_size: int) -> str | None:
+    """Why ``d2t`` (offsets: draft id + d2t[draft id] = target id) and ``t2d`` (which target ids the draft
+    vocabulary holds) do not describe one injective map into the target vocabulary; None when they do."""
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        return f"d2t has dtype {d2t.dtype}; expected integer offsets"
+    if t2d is not None and tuple(t2d.shape) != (vocab_size,):
+        return f"t2d has shape {tuple(t2d.shape)}, expected ({vocab_size},) (the target vocabulary)"
+    offsets = d2t.reshape(-1).long()
+    target_ids = torch.arange(offsets.numel()) + offsets
+    inside = (target_ids >= 0) & (target_ids < vocab_size)
+    marked = t2d.bool() if t2d is not None else None
+    wrong = ~inside
+    if marked is not None:
+        wrong |= inside & ~marked[target_ids.clamp(0, vocab_size - 1)]
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0])
+        offset, target_id = int(offsets[i]), int(target_ids[i])
+        message = f"d2t[{i}] = {offset} maps draft id {i} to target id {target_id} (draft id + offset), " + (
+            f"outside the target vocabulary of {vocab_size}"
+            if not bool(inside[i])
+            else "which t2d does not mark"
+        )
+        if marked is not None and 0 <= offset < vocab_size and bool(marked[offset]):
+            message += f"; t2d marks {offset} itself: d2t holds absolute target ids, not offsets"
+        return message + " (d2t must hold offsets: draft id + d2t[draft id] = target id)"
+    unique, counts = torch.unique(target_ids, return_counts=True)
+    if unique.numel() < target_ids.numel():
+        repeated = int(unique[counts > 1][0])
+        both = (target_ids == repeated).nonzero().flatten()[:2].tolist()
+        return f"d2t maps draft ids {both} to the same target id {repeated}"
+    if marked is not None and int(marked.sum()) != target_ids.numel():
+        return (
+            f"t2d marks {int(marked.sum())} target ids but d2t maps {target_ids.numel()} draft ids: "
+            "t2d is not the inverse of d2t"
+        )
+    return None
+
+
+def check_safetensors_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a weights file that is missing, has no readable safetensors header, or holds fewer bytes
+    than its header lists (a truncated copy or download)."""
+    file = Path(path)
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            prefix = handle.read(8)
+            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if header_len < 0 or header_len > size - 8:
+                raise DrafterFormatError(
+                    f"{file}: truncated or not a safetensors file ({size} bytes, no complete header)",
+                    check="weights",
+                )
+            header = json.loads(handle.read(header_len))
+        end = max(
+            (int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
+            default=0,
+        )
+    except FileNotFoundError:
+        raise DrafterFormatError(f"{file}: weights file not found", check="weights") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, IndexError, TypeError):
+        raise DrafterFormatError(
+            f"{file}: not a safetensors file (unreadable header)", check="weights"
+        ) from None
+    held = size - 8 - header_len
+    if end > held:
+        raise DrafterFormatError(
+            f"{file}: truncated: its header lists {end} bytes of tensor data, the file holds {held}",
+            check="weights",
+        )
+
+
+def check_target_weights(target_dir: str | os.PathLike[str]) -> list[Path]:
+    """The target's safetensors files, each checked complete; refuses a folder without weights, or whose
+    index names a file that is not there."""
+    folder = Path(target_dir)
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.exists():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, Mapping) or not weight_map:
+            raise DrafterFormatError(f"{index_path}: no weight_map", check="weights")
+        files = [folder / name for name in sorted(set(map(str, weight_map.values())))]
+        for file in files:
+            if not file.exists():
+                raise DrafterFormatError(
+                    f"{file}: weights file not found (listed in {index_path.name})", check="weights"
+                )
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise DrafterFormatError(f"{folder}: no *.safetensors weights files", check="weights")
+    for file in files:
+        check_safetensors_file(file)
+    return files
 
 
 class LayerIdExportError(ValueError):
@@ -136,6 +312,13 @@ def save_drafter(
             + (f"; given as {list(layer_ids.ids)} {layer_ids.convention}" if layer_ids is not None else "")
             + "): it would read other tensors than it was trained on"
         )
+    last_hidden = (metadata or {}).get(LAST_HIDDEN_STATE_KEY)
+    if last_hidden is not None and last_hidden != LAST_HIDDEN_AFTER_FINAL_NORM:
+        raise DrafterFormatError(
+            f"{out_dir}: the drafter was trained on last hidden states {last_hidden!r}, but its loss and the "
+            f"engines take them as {LAST_HIDDEN_AFTER_FINAL_NORM!r} (logits = lm_head(last hidden state))",
+            check="final_norm",
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     exported = capture_ids.to(normalize_convention(convention))
@@ -172,20 +355,24 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _read_weights(folder: Path) -> dict[str, Tensor]:
+def _read_weights(folder: Path) -> tuple[dict[str, Tensor], str]:
+    """(tensors, the file(s) they came from, for messages)."""
     single = folder / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    shards = sorted(folder.glob("*.safetensors"))
+    shards = [single] if single.exists() else sorted(folder.glob("*.safetensors"))
     if shards:
         merged: dict[str, Tensor] = {}
         for shard in shards:
+            check_safetensors_file(shard)
             merged.update(load_file(str(shard)))
-        return merged
+        return merged, str(shards[0]) if len(shards) == 1 else f"{folder}/*.safetensors"
     binary = folder / "pytorch_model.bin"
     if binary.exists():
-        return cast(dict[str, Tensor], torch.load(str(binary), map_location="cpu", weights_only=True))
-    raise DrafterFormatError(f"{folder}: no model.safetensors (or pytorch_model.bin)")
+        try:
+            loaded = torch.load(str(binary), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for a damaged pickle/zip
+            raise DrafterFormatError(f"{binary}: unreadable ({exc})", check="weights") from exc
+        return cast(dict[str, Tensor], loaded), str(binary)
+    raise DrafterFormatError(f"{folder}: no model.safetensors (or pytorch_model.bin)", check="weights")
 
 
 def _normalize_weight_name(name: str) -> str:
@@ -225,6 +412,20 @@ def _config_from_native(data: dict[str, Any], path: Path, convention: str | None
         raise DrafterFormatError(f"{path}: cannot build a drafter config ({exc})") from exc
 
 
+def read_drafter_config(path: str | os.PathLike[str], convention: str | None = None) -> DrafterConfig:
+    """The `DrafterConfig` of a native drafter folder: its draftloop block, or (a published drafter) its
+    model config plus ``convention`` for its aux ids."""
+    config_path = Path(path) / "config.json"
+    data = _read_json(config_path)
+    block = data.get("draftloop")
+    if isinstance(block, Mapping) and "drafter_config" in block:
+        try:
+            return DrafterConfig.from_json(block["drafter_config"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DrafterFormatError(f"{config_path}: invalid draftloop.drafter_config ({exc})") from exc
+    return _config_from_native(data, config_path, convention)
+
+
 def load_drafter(
     path: str | os.PathLike[str],
     device: str | torch.device = "cpu",
@@ -234,20 +435,12 @@ def load_drafter(
     """Read a native drafter folder (ours, with its draftloop block, or a published one).
 
     A published folder has no record of its ids' convention: pass ``convention`` for it.
-    A published checkpoint that carries ``embed_tokens.weight`` gets it attached.
+    A published checkpoint that carries ``embed_tokens.weight`` gets it attached. Refuses (naming the
+    file) missing, unexpected or misshapen tensors, non-finite weights and a d2t that is not offsets.
     """
     folder = Path(path)
-    config_path = folder / "config.json"
-    data = _read_json(config_path)
-    block = data.get("draftloop")
-    if isinstance(block, Mapping) and "drafter_config" in block:
-        try:
-            config = DrafterConfig.from_json(block["drafter_config"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DrafterFormatError(f"{config_path}: invalid draftloop.drafter_config ({exc})") from exc
-    else:
-        config = _config_from_native(data, config_path, convention)
-    raw = _read_weights(folder)
+    config = read_drafter_config(folder, convention)
+    raw, source = _read_weights(folder)
     weights = {_normalize_weight_name(k): v for k, v in raw.items()}
     embed = weights.pop("embed_tokens.weight", None)
     drafter = Eagle3Drafter(config)
@@ -255,23 +448,34 @@ def load_drafter(
     if "d2t" not in weights and "t2d" not in weights and config.draft_vocab_size == config.vocab_size:
         weights["d2t"] = expected["d2t"]
         weights["t2d"] = expected["t2d"]
-    elif "t2d" not in weights and "d2t" in weights:
-        # SGLang-style checkpoints may omit t2d: rebuild it from d2t.
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(config.draft_vocab_size) + weights["d2t"].long()] = True
-        weights["t2d"] = t2d
+    if "d2t" in weights:
+        problem = vocab_mapping_problem(weights["d2t"], weights.get("t2d"), config.vocab_size)
+        if problem is not None:
+            raise DrafterFormatError(f"{source}: {problem}", check="d2t")
+        if "t2d" not in weights:  # SGLang-style checkpoints may omit t2d: rebuild it from d2t.
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(weights["d2t"].numel()) + weights["d2t"].long()] = True
+            weights["t2d"] = t2d
     missing = sorted(set(expected) - set(weights))
     if missing:
-        raise DrafterFormatError(f"{folder}: weights missing {missing[:8]}")
+        raise DrafterFormatError(f"{source}: tensors missing {missing[:8]}", check="tensors")
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
-        raise DrafterFormatError(f"{folder}: unexpected weights {unexpected[:8]}")
+        raise DrafterFormatError(f"{source}: unexpected tensors {unexpected[:8]}", check="tensors")
     for name, tensor in weights.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise DrafterFormatError(
-                f"{folder}: weight {name} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(expected[name].shape)}"
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(expected[name].shape)}",
+                check="tensors",
             )
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise DrafterFormatError(
+                    f"{source}: tensor {name} has {bad} non-finite values (nan/inf) of {tensor.numel()}",
+                    check="tensors",
+                )
     if dtype is None:
         dtype = next((t.dtype for n, t in weights.items() if n.endswith("weight")), torch.float32)
     drafter.load_state_dict(weights, strict=False)
@@ -291,9 +495,7 @@ def load_target_head(target_dir: str | os.PathLike[str]) -> tuple[Tensor, Tensor
     """
     folder = Path(target_dir)
     config = _read_json(folder / "config.json")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DrafterFormatError(f"{folder}: no *.safetensors files")
+    files = check_target_weights(folder)
     index_path = folder / "model.safetensors.index.json"
     weight_map: dict[str, str] = {}
     if index_path.exists():

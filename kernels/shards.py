@@ -2,7 +2,8 @@
 
 Tensors: ``input_ids`` int64 [N], ``loss_mask`` uint8 [N], ``seq_offsets`` int64 [S+1],
 ``aux_hidden`` [N, 3*Ht], ``last_hidden`` [N, Ht]. Metadata: ``aux_layer_ids`` (json, layer_input),
-``target``.
+``target``, ``last_hidden_state`` (what ``last_hidden`` is: ``after_final_norm``, so the target's logits
+are ``lm_head(last_hidden)``, which training assumes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import Tensor
 from .layer_ids import LayerIds
 
 __all__ = [
+    "LAST_HIDDEN_AFTER_FINAL_NORM",
+    "LAST_HIDDEN_STATE_KEY",
     "SHARD_KEYS",
     "HiddenSample",
     "iter_hidden_samples",
@@ -27,12 +30,17 @@ __all__ = [
     "shard_from_bytes",
     "shard_layer_ids",
     "shard_metadata",
+    "shard_metadata_from_bytes",
     "shard_to_bytes",
 ]
 
 SHARD_KEYS = ("input_ids", "loss_mask", "seq_offsets", "aux_hidden", "last_hidden")
 # One sample: input_ids [T], loss_mask [T], aux_hidden [T, 3*Ht], last_hidden [T, Ht].
 HiddenSample = dict[str, Tensor]
+# The last hidden state's semantics, recorded at extraction (capture.py hooks the final norm's output)
+# and carried into the drafter's draftloop block, where export and pairing check it.
+LAST_HIDDEN_STATE_KEY = "last_hidden_state"
+LAST_HIDDEN_AFTER_FINAL_NORM = "after_final_norm"
 
 
 def pack_hidden_shard(samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
@@ -80,6 +88,7 @@ def shard_metadata(layer_ids: LayerIds, target: str, **extra: Any) -> dict[str, 
     meta = {
         "aux_layer_ids": json.dumps(list(layer_ids.to("layer_input").ids)),
         "target": str(target),
+        LAST_HIDDEN_STATE_KEY: LAST_HIDDEN_AFTER_FINAL_NORM,
     }
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in extra.items()})
     return meta
@@ -94,6 +103,11 @@ def shard_from_bytes(data: bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
     tensors = st_load(data)
     metadata = _read_metadata(data)
     return tensors, metadata
+
+
+def shard_metadata_from_bytes(data: bytes) -> dict[str, str]:
+    """A shard's metadata alone (its header), without building its tensors."""
+    return _read_metadata(data)
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
