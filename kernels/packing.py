@@ -5,7 +5,8 @@ A packed row holds several samples back to back. The batch then carries, per tok
 for every sample); :func:`draftloop.kernels.train.ttt_loss` turns them into a block-diagonal causal
 mask for every TTT step and counts a prediction only when its anchor and the predicted token are in
 the same sample. An unpacked batch (one sample per row) carries neither: right padding alone keeps
-samples apart there.
+samples apart there. A packed batch keeps its keys even when a row holds one sample, so a compiled
+loss sees one kind of batch.
 """
 
 from __future__ import annotations
@@ -57,16 +58,20 @@ def collate_rows(
     max_length: int | None = None,
     batch_size: int | None = None,
     pad_multiple: int | None = None,
+    *,
+    packed: bool = True,
 ) -> dict[str, Tensor]:
     """Right-pad rows of samples into a batch: input_ids/loss_mask [B, L], aux/last [B, L, *],
-    lengths [B] (real tokens per row), and — when some row holds more than one sample —
-    segment_ids and position_ids [B, L].
+    lengths [B] (real tokens per row), and when ``packed`` segment_ids and position_ids [B, L]
+    (``packed=False``: one sample per row, plain causal attention).
 
     ``batch_size`` adds empty rows (length 0, nothing counted) up to that many; ``pad_multiple`` rounds
     L up to a multiple — both keep the shapes a compiled loss sees few.
     """
     if not rows or not all(rows):
         raise ValueError("a batch needs at least one row and every row at least one sample")
+    if not packed and any(len(row) > 1 for row in rows):
+        raise ValueError("an unpacked batch holds one sample per row")
     first = rows[0][0]
     row_lengths = [[sample_length(s, max_length) for s in row] for row in rows]
     lengths = [sum(row) for row in row_lengths]
@@ -79,7 +84,6 @@ def collate_rows(
     loss_mask = torch.zeros(batch, length, dtype=torch.bool)
     aux = torch.zeros(batch, length, int(first["aux_hidden"].shape[-1]), dtype=first["aux_hidden"].dtype)
     last = torch.zeros(batch, length, int(first["last_hidden"].shape[-1]), dtype=first["last_hidden"].dtype)
-    packed = any(len(row) > 1 for row in rows)
     segment_ids = torch.full((batch, length), -1, dtype=torch.int64)
     position_ids = torch.zeros(batch, length, dtype=torch.int64)
     for row_index, (row, sizes) in enumerate(zip(rows, row_lengths, strict=True)):

@@ -116,7 +116,7 @@ def collate_samples(
     (see :func:`packing.collate_rows` for ``batch_size`` and ``pad_multiple``)."""
     if not samples:
         raise ValueError("empty batch")
-    return collate_rows([[s] for s in samples], device, max_length, batch_size, pad_multiple)
+    return collate_rows([[s] for s in samples], device, max_length, batch_size, pad_multiple, packed=False)
 
 
 def draft_target_head(drafter: Eagle3Drafter, lm_head_weight: Tensor) -> Tensor:
@@ -447,8 +447,13 @@ def train_drafter(
     loss_fn: Callable[..., tuple[Tensor, dict[str, Any]]] = (
         cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
     )
-    # Compiled: unpacked batches padded to batch_size rows, and every row to a multiple of pad_multiple.
-    fixed_shape = (cfg.batch_size if cfg.pack_tokens is None else None, cfg.pad_multiple) if compiled else ()
+    # Compiled: few shapes. Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens;
+    # packed rows all to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly.
+    fixed_shape: tuple[int | None, int | None] = (None, None)
+    if compiled and cfg.pack_tokens is None:
+        fixed_shape = (cfg.batch_size, cfg.pad_multiple)
+    elif compiled and cfg.pack_tokens is not None:
+        fixed_shape = (None, -(-cfg.pack_tokens // cfg.pad_multiple) * cfg.pad_multiple)
     params = [p for p in drafter.parameters() if p.requires_grad]
     ttt = cfg.ttt_length
 
@@ -503,7 +508,9 @@ def train_drafter(
                 optimizer.zero_grad(set_to_none=True)
                 sums = _StepSums(ttt)
                 for rows in _micro_batch_rows(share.samples, cfg):
-                    batch = collate_rows(rows, device, cfg.max_length, *fixed_shape)
+                    batch = collate_rows(
+                        rows, device, cfg.max_length, *fixed_shape, packed=cfg.pack_tokens is not None
+                    )
                     with _autocast(device):
                         loss, metrics = loss_fn(
                             drafter, batch, head, ttt, cfg.step_decay, step_tokens.to(device)
