@@ -177,7 +177,7 @@ def train_worker(
         get_engine(loop["engine"]).export_drafter(
             drafter.cpu(),
             final / "drafter",
-            metadata={"epochs": settings.epochs, "final": result.final_metrics},
+            metadata={**loop["drafter_metadata"], "epochs": settings.epochs, "final": result.final_metrics},
         )
         new_steps = result.history[len(resume_state["history"]) if resume_state else 0 :]
         # Sample tokens each step trained on, over every worker (padding not counted).

@@ -22,9 +22,11 @@ from draftloop.infra.actors import ensure_ray
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.evaluation.plots import plot_training_curves
 from draftloop.infra.processes import state_dir
-from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
+from draftloop.infra.storage import DatasetWriter, Manifest, read_shard, storage_options
 from draftloop.infra.tracking import StageRun
 from draftloop.infra.train_worker import train_loop_per_worker
+from draftloop.kernels.checkpoint import contract_record
+from draftloop.kernels.shards import LAST_HIDDEN_STATE_KEY, shard_metadata_from_bytes
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options
@@ -39,6 +41,18 @@ def work_dir(config: ExperimentConfig, key: str) -> Path:
     return state_dir() / "work" / str(config.name) / "train" / key
 
 
+def drafter_record(config: ExperimentConfig, hidden: StageOutcome) -> dict[str, Any]:
+    """What the drafter is trained against, for its draftloop block (the pairing check compares it with
+    what is served): the target's chat template and dtype, and what extraction recorded in its shards."""
+    first = next(info.name for info in hidden.manifest.shards if info.name.endswith(".safetensors"))
+    extracted = shard_metadata_from_bytes(read_shard(hidden.manifest, first, storage_options(config)))
+    return contract_record(
+        config.target.path,
+        target_dtype=str(config.extraction.dtype),
+        last_hidden_state=extracted.get(LAST_HIDDEN_STATE_KEY),
+    )
+
+
 def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) -> dict[str, Any]:
     """What every training worker needs (plain data: it travels to Ray workers)."""
     section = config.training
@@ -51,6 +65,7 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
         "drafter_init": section.drafter_init,
         "seed": int(section.seed),
         "engine": str(config.engine.kind),
+        "drafter_metadata": drafter_record(config, hidden),
         "work_dir": str(folder),
         "shuffle_window_shards": int(section.shuffle_window_shards),
         "prefetch_shards": int(section.prefetch_shards),

@@ -41,7 +41,7 @@ from draftloop.infra.engines.base import (
     known_engines,
 )
 from draftloop.infra.engines.doctor import describe_family, format_report
-from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing
+from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_contract, check_drafter_pairing
 from draftloop.infra.engines.server import EngineServer, EngineStartError, clean_stale_servers
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
@@ -394,7 +394,8 @@ def test_standard_attention_drafter_on_mla_target_is_refused(tmp_path: Path) -> 
     mla_drafter = write_config(
         tmp_path / "m", {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
     )
-    check_drafter_pairing(target, mla_drafter)  # accepted
+    # Accepted as far as attention goes (these config-only folders break other clauses).
+    assert "attention" not in [issue.check for issue in check_drafter_contract(target, mla_drafter)]
     llama_target = write_config(
         tmp_path / "l", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     )
@@ -402,7 +403,7 @@ def test_standard_attention_drafter_on_mla_target_is_refused(tmp_path: Path) -> 
         check_drafter_pairing(llama_target, mla_drafter)
     # A model_type no family covers: nothing to compare, nothing refused.
     unknown = write_config(tmp_path / "u", {"architectures": ["FooForCausalLM"], "model_type": "foo"})
-    check_drafter_pairing(unknown, mla_drafter)
+    assert "attention" not in [issue.check for issue in check_drafter_contract(unknown, mla_drafter)]
 
 
 def test_doctor_reports_the_engine_patches_a_family_needs() -> None:

@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from fake_engine import fake_engine
-from fixtures_engine import write_config
 
 from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
+from draftloop.kernels.checkpoint import contract_record, save_drafter
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM
 
 
 @pytest.fixture(scope="module")
-def tokenizer_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A target folder with the zoo's tokenizer (the fake engine ignores the weights)."""
-    from draftloop.infra.zoo import build_tokenizer
+def served_target(zoo_target_dir: Callable[[str], Path]) -> Path:
+    """tiny-llama: the fake engine ignores its weights, the pairing check before serving reads them."""
+    return zoo_target_dir("tiny-llama")
 
-    folder = tmp_path_factory.mktemp("fake-target")
-    build_tokenizer(0).save_pretrained(folder)
-    (folder / "config.json").write_text(
-        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    )
-    return folder
+
+def saved_drafter(target: Path, folder: Path) -> Path:
+    """An untrained drafter for `target` on layers [1, 3, 5] (layer_input), saved as training does in
+    the fake engine's convention (layer_output: ids [0, 2, 4]), keeping the whole drafter contract."""
+    config = json.loads((target / "config.json").read_text())
+    drafter = Eagle3Drafter(DrafterConfig.for_target(config, LayerIds((1, 3, 5), "layer_input")))
+    record = contract_record(target, target_dtype="float32", last_hidden_state=LAST_HIDDEN_AFTER_FINAL_NORM)
+    return save_drafter(drafter, folder, convention="layer_output", metadata=record)
 
 
 def _sim(rate: float) -> SimulatorFigures:
@@ -36,16 +42,13 @@ def _sim(rate: float) -> SimulatorFigures:
 
 
 def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
-    tmp_path: Path, tokenizer_target: Path
+    tmp_path: Path, served_target: Path
 ) -> None:
     # The fake engine reads layer_output ids: these are the layers the simulator captures (1, 3, 5).
-    drafter = write_config(
-        tmp_path / "drafter",
-        {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [0, 2, 4]},
-    )
+    drafter = saved_drafter(served_target, tmp_path / "drafter")
     prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
     report = evaluate(
-        fake_engine("--token-delay", "0.002"), tokenizer_target, drafter, prompts, tmp_path / "eval",
+        fake_engine("--token-delay", "0.002"), served_target, drafter, prompts, tmp_path / "eval",
         max_tokens=8, concurrency=[1, 2], simulator=_sim(0.4), acceptance_tolerance=0.05,
     )  # fmt: skip
     assert report.lossless and report.mismatched_prompts == []
@@ -66,16 +69,16 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
     baseline = ServerRun.from_json(saved["baseline"])
     assert baseline == report.baseline
     faulty = evaluate(
-        fake_engine(), tokenizer_target, drafter, prompts, tmp_path / "eval2",
+        fake_engine(), served_target, drafter, prompts, tmp_path / "eval2",
         max_tokens=4, concurrency=[1], simulator=_sim(0.7), baseline=baseline,
     )  # fmt: skip
     assert faulty.verdict == VERDICT_FAULT and faulty.acceptance_gap == pytest.approx(0.3)
 
 
-def test_evaluate_flags_lossy_speculation(tmp_path: Path, tokenizer_target: Path) -> None:
-    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
+def test_evaluate_flags_lossy_speculation(tmp_path: Path, served_target: Path) -> None:
+    drafter = saved_drafter(served_target, tmp_path / "drafter")
     report = evaluate(
-        fake_engine("--perturb", "1"), tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
+        fake_engine("--perturb", "1"), served_target, drafter, ["a", "b"], tmp_path / "eval",
         max_tokens=4, concurrency=[1], simulator=_sim(0.4),
     )  # fmt: skip
     assert not report.lossless and report.mismatched_prompts == [0, 1]
@@ -83,7 +86,7 @@ def test_evaluate_flags_lossy_speculation(tmp_path: Path, tokenizer_target: Path
 
 
 @pytest.mark.slow
-def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> None:
+def test_evaluate_through_ray_actors(tmp_path: Path, served_target: Path) -> None:
     """The flow's path: each server hosted by an EngineServerActor (num_gpus from the config, 0 here)."""
     import ray
 
@@ -92,14 +95,14 @@ def test_evaluate_through_ray_actors(tmp_path: Path, tokenizer_target: Path) -> 
 
     ensure_ray(num_cpus=2)
     engine = fake_engine()
-    drafter = write_config(tmp_path / "drafter", {"architectures": ["LlamaForCausalLMEagle3"]})
+    drafter = saved_drafter(served_target, tmp_path / "drafter")
     # The actor process must import the fake engine's module (tests/ is not a package).
     tests_dir = str(Path(__file__).resolve().parent)
     starter = server_starter(
-        engine, tokenizer_target, tmp_path / "eval", 3, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
+        engine, served_target, tmp_path / "eval", 3, runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
     )
     report = evaluate(
-        engine, tokenizer_target, drafter, ["a", "b"], tmp_path / "eval",
+        engine, served_target, drafter, ["a", "b"], tmp_path / "eval",
         max_tokens=4, concurrency=[1], simulator=_sim(0.4), start_server=starter,
     )  # fmt: skip
     assert report.verdict == VERDICT_OK, report.reasons

@@ -59,7 +59,8 @@ class ContractIssue:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.check}: {self.message} ({self.file})"
+        where = "" if self.file in self.message else f" ({self.file})"
+        return f"{self.check}: {self.message}{where}"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.engines.base import Engine, EngineConfigError, read_json
-from draftloop.infra.engines.pairing import check_drafter_pairing
+from draftloop.infra.engines.pairing import ServingContract, check_drafter_pairing
 from draftloop.infra.evaluation.benchmark import ServerRun, benchmark_server
 from draftloop.infra.evaluation.plots import write_plots
 from draftloop.infra.evaluation.report import EvalReport
@@ -125,7 +125,9 @@ def evaluate(
     if not prompts:
         raise EngineConfigError("evaluation prompts", "no prompts to evaluate")
     # Refuse impossible pairings before spending a minute on a server start.
-    check_drafter_pairing(target_dir, drafter_dir)
+    # Contract errors refuse the pair; its warnings (served dtype or quantization other than trained on)
+    # become verdict reasons.
+    contract_warnings = check_drafter_pairing(target_dir, drafter_dir, ServingContract.from_engine(engine))
     engine.check_python()
     start = start_server or _default_start_server(engine, target_dir, run_dir, k)
     prompt_ids = encode_prompts(target_dir, prompts)
@@ -203,7 +205,7 @@ def evaluate(
         acceptance_gap=comparison.gap,
         acceptance_tolerance=acceptance_tolerance,
         verdict=verdict,
-        reasons=reasons,
+        reasons=[*reasons, *(f"contract warning: {warning}" for warning in contract_warnings)],
         engine_layer_ids=(
             {
                 "ids": list(engine_ids.ids),
