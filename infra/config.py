@@ -96,7 +96,9 @@ class TrainingConfig(_Section):
     # Pack samples into rows of at most this many tokens (one row per micro-batch); null = one per row.
     pack_tokens: int | None = Field(default=None, ge=1)
     checkpoint_every_steps: int | None = Field(default=None, ge=1)  # null = after every epoch only
-    shuffle_window_shards: int = Field(default=8, ge=1)  # shards whose samples are shuffled together
+    # Shards whose samples are shuffled together (held in memory); each worker trains the samples of its own
+    # shards of a window, so keep it at least num_workers.
+    shuffle_window_shards: int = Field(default=8, ge=1)
     prefetch_shards: int = Field(default=2, ge=1)  # shards a worker reads ahead
     num_workers: int = Field(default=1, ge=1)
     num_gpus_per_worker: float = Field(default=0, ge=0)
