@@ -141,3 +141,35 @@ def test_cli_exits_2_with_one_line_on_a_bad_drafter(target: Path, tmp_path: Path
     assert result.exit_code == 2, result.output
     assert "tensors missing ['fc.weight']" in result.output
     assert "Traceback" not in result.output
+    # A truncated target: the same, naming the file.
+    drafter, _ = make_drafter(target, tmp_path / "d2")
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    result = CliRunner().invoke(
+        app, ["simulate", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts)]
+    )
+    assert result.exit_code == 2, result.output
+    assert "model.safetensors: truncated: its header lists" in result.output
+
+
+def test_a_cycle_failing_on_bad_checkpoint_input_is_a_user_error(target: Path, tmp_path: Path) -> None:
+    """`draftloop run` exits 2 with the cause's message when a stage failed on bad checkpoint input."""
+    from draftloop.commands.run import bad_input_behind
+    from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_pairing
+    from draftloop.tasks.cache import StageError
+
+    drafter, _ = make_drafter(target, tmp_path / "d")
+    _rewrite_drafter_weights(drafter, lambda w: w.pop("fc.weight"))
+    stages: dict[str, Callable[[], object]] = {
+        "train": lambda: load_drafter(drafter),
+        "evaluate": lambda: check_drafter_pairing(target, drafter, SERVING),
+    }
+    for stage, check in stages.items():
+        with pytest.raises(StageError) as wrapped:
+            try:
+                check()
+            except (DrafterFormatError, DrafterPairingError) as error:
+                raise StageError(stage, str(error)) from error  # as tasks/cycle.py wraps it
+        cause = bad_input_behind(wrapped.value)
+        assert cause is not None and "tensors missing ['fc.weight']" in str(cause)
+    assert bad_input_behind(StageError("train", "worker died", None)) is None

@@ -73,6 +73,22 @@ def summary_table(summary: dict[str, Any]) -> Table:
     return table
 
 
+def bad_input_behind(error: BaseException) -> BaseException | None:
+    """The user-input error (a refused drafter/target pairing, an unreadable checkpoint) a stage failure
+    comes from, if any: the cycle then exits 2 with its one-line message."""
+    from draftloop.infra.engines.base import EngineConfigError
+    from draftloop.kernels.checkpoint import DrafterFormatError
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, EngineConfigError | DrafterFormatError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
     """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
     console = Console()
@@ -115,6 +131,10 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
             summary = flow_until(until)(params)
         except Exception as error:
             progress.stop()
+            bad_input = bad_input_behind(error)
+            if bad_input is not None:
+                console.print(f"[red]error:[/red] {bad_input}")
+                raise typer.Exit(2) from None
             console.print(f"[red]cycle failed:[/red] {error}")
             raise typer.Exit(1) from error
         finally:

@@ -71,9 +71,12 @@ def _load_target(path: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftloop.kernels.checkpoint import check_target_weights
+
     if not (path / "config.json").is_file():
         raise _fail(f"--target: {path} is not a Hugging Face model folder (no config.json)")
     try:
+        check_target_weights(path)  # a missing or truncated weights file, named (DrafterFormatError)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as error:
