@@ -108,5 +108,8 @@ def test_doctor_asks_the_engine_and_reports_the_patches_the_family_needs(tmp_pat
     assert report["family"]["engine_patches"] == [{"name": "eagle3_enabler", "status": "applied", "ok": True}]
     assert report["layer_ids"]["engine_convention"] == "layer_output"
     assert report["layer_ids"]["engine_ids"] == [0, 2, 4] and report["layer_ids"]["consistent"] is True
-    assert report["pairing"] == {"ok": True}
-    assert "WARNING" not in format_report(report)
+    # The contract check ran too (this target folder has no weights: refused, and said so).
+    assert report["pairing"]["ok"] is False and "weights" in report["pairing"]["reason"]
+    text = format_report(report)
+    assert "target family stablelm: engine patches needed: eagle3_enabler (applied)" in text
+    assert "WARNING" not in text
