@@ -4,6 +4,7 @@ whatever the number of ranks, and a mid-epoch resume from 1 to 2 workers (gloo, 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,10 @@ from draftloop.kernels.train import TrainConfig, train_drafter
 Sample = dict[str, torch.Tensor]
 
 
+class LoadedShard(list[Sample]):
+    """A shard's samples as the loader returns them (a list that can be weakly referenced)."""
+
+
 class RecordingShards(ShardedSamples):
     """Shards of in-memory samples; records each shard read, how many shards are held at once, and
     which samples each step trains."""
@@ -35,11 +40,18 @@ class RecordingShards(ShardedSamples):
         self.reads: list[str] = []
         self.trained: list[tuple[int, SampleKey]] = []
         self.lock = threading.Lock()
+        self.loaded: list[weakref.ref[LoadedShard]] = []
 
     def _load(self, name: str) -> Sequence[Sample]:
+        shard = LoadedShard(self.contents[name])  # a fresh object per read, to see when it is dropped
         with self.lock:
             self.reads.append(name)
-        return self.contents[name]
+            self.loaded.append(weakref.ref(shard))
+        return shard
+
+    def held(self) -> int:
+        """Shards read and not dropped yet."""
+        return sum(ref() is not None for ref in self.loaded)
 
     def rank_steps(
         self, epoch: int, seed: int, samples_per_step: int, start: int, rank: int, world: int
@@ -81,7 +93,15 @@ def test_bounded_window_reads_lazily_and_trains_every_sample_once() -> None:
     embed, lm_head = target_tensors()
     samples = synthetic_samples(22, seed=7)
     shards = RecordingShards(split(samples, [5, 9, 1, 7]), window_shards=1, prefetch_shards=1)
-    result = train_drafter(new_drafter(embed), shards, lm_head, TrainConfig(**CFG))
+    held: list[int] = []  # shards in memory after each step: the window's, one queued, one being read
+    result = train_drafter(
+        new_drafter(embed),
+        shards,
+        lm_head,
+        TrainConfig(**CFG),
+        on_step=lambda _s, _r: held.append(shards.held()),
+    )
+    assert max(held) <= 3, held
     for epoch in range(2):
         keys = [key for e, key in shards.trained if e == epoch]
         assert sorted(keys) == sorted(
