@@ -64,9 +64,17 @@ class SynthesisConfig(_Section):
     temperature: float = Field(default=0.0, ge=0.0)
     concurrency: int = Field(default=8, ge=1)
     num_gpus: float = Field(default=0, ge=0)
+    # engine backend: tries per chat request before the conversation is rejected (rejected.jsonl)
+    max_attempts: int = Field(default=3, ge=1)
+    # engine backend: the server's reasoning parser for a thinking target (e.g. deepseek_r1), null = none
+    reasoning_parser: str | None = None
+    # engine backend: extra fields of every chat request (e.g. {"thinking_token_budget": 64} on vLLM)
+    extra_body: dict[str, Any] = Field(default_factory=dict)
 
 
 class ExtractionConfig(_Section):
+    # in_process: the Hugging Face target in Ray actors; engine: the engine server computes them
+    backend: Literal["in_process", "engine"] = "in_process"
     aux_layer_ids: list[int] | None = None  # null = the default for the target's depth
     # layer_input | layer_output, or an engine's name for the convention that engine reads.
     layer_id_convention: str = "layer_input"

