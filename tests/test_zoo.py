@@ -242,7 +242,7 @@ def test_cli_models_create(tmp_path: Path) -> None:
 # Steps whose float32 top-2 logit gap is below NEAR_TIE_STEPS bf16 steps (at the top logit) count as
 # near-ties; bf16 rounding can swap such a pair. Measured on seed 0 (16 prompts x 64 tokens): before the
 # code rule 11.9% of steps (3 of 16 prompts gave the same bf16 and float32 text), with it 0.0% (the
-# smallest gap is 40 steps: every step has the same two-bit margin).
+# smallest gap is 40 steps: every step has the same margin, one code bit).
 NEAR_TIE_STEPS = 2.0
 MAX_NEAR_TIE_FRACTION = 0.005
 
