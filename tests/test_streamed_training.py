@@ -3,6 +3,8 @@ whatever the number of ranks, and a mid-epoch resume from 1 to 2 workers (gloo, 
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import weakref
 from collections import Counter
@@ -14,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from synthetic_training import new_drafter, synthetic_samples, target_tensors
+from synthetic_training import LAYERS, TARGET, new_drafter, synthetic_samples, target_tensors
 
 from draftloop.kernels.data import SampleKey, ShardedSamples, ShardRef, StepShare
 from draftloop.kernels.train import TrainConfig, train_drafter
@@ -201,3 +203,89 @@ def test_mid_epoch_resume_from_one_to_two_workers(tmp_path: Path) -> None:
     for name, tensor in straight_drafter.state_dict().items():
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
         assert torch.equal(ranks[1]["weights"][name], ranks[0]["weights"][name]), name
+
+
+# ---------------------------------------------------------------------------------------- train worker
+
+
+def _worker_loop(root: Path, work: str) -> dict[str, Any]:
+    """What tasks/train.py's loop_config hands each worker, for the synthetic dataset under ``root``."""
+    return {
+        "manifest": json.loads((root / "hidden" / "manifest.json").read_text()),
+        "storage_options": {},
+        "target_path": str(root / "target"),
+        "aux_layer_ids": list(LAYERS.ids),
+        "draft_vocab_size": 32,
+        "drafter_init": None,
+        "seed": 0,
+        "engine": "vllm",
+        "drafter_metadata": {},
+        "work_dir": str(root / work),
+        "shuffle_window_shards": 2,
+        "prefetch_shards": 1,
+        "train_config": {**CFG, "max_length": 64, "pack_tokens": 40, "checkpoint_every_steps": 2},
+    }
+
+
+def _train_worker_process(rank: int, world: int, root: str) -> None:
+    from draftloop.infra.train_worker import train_worker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world)
+    try:
+        train_worker(
+            _worker_loop(Path(root), "cut"), rank=rank, world=world, device="cpu", report=lambda _m: None
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_train_worker_resumes_mid_epoch_on_two_workers(tmp_path: Path) -> None:
+    """The train stage's worker body over a stored dataset: killed after a mid-epoch checkpoint of a
+    1-worker run, resumed by 2 workers, it ends with the drafter of an uninterrupted run."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from draftloop.infra.storage import DatasetWriter
+    from draftloop.infra.train_worker import latest_checkpoint, train_worker
+    from draftloop.kernels.shards import pack_hidden_shard, shard_metadata, shard_to_bytes
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(TARGET).save_pretrained(tmp_path / "target")
+    samples = synthetic_samples(26, seed=13)
+    writer = DatasetWriter(str(tmp_path / "hidden"), fsync=False)
+    for index, part in enumerate(split(samples, [6, 3, 8, 2, 7])):
+        tensors = pack_hidden_shard(part)
+        writer.write_shard(
+            f"hidden-{index:05d}.safetensors", shard_to_bytes(tensors, shard_metadata(LAYERS, "t")), len(part)
+        )
+    writer.commit("extract", summary={"aux_layer_ids": list(LAYERS.ids)})
+
+    def no_report(_metrics: dict[str, Any]) -> None:
+        pass
+
+    train_worker(_worker_loop(tmp_path, "straight"), rank=0, world=1, device="cpu", report=no_report)
+    train_worker(_worker_loop(tmp_path, "cut"), rank=0, world=1, device="cpu", report=no_report)
+    # As if the run had died after step 8 (epoch 1, mid-way): later checkpoints and the result gone.
+    shutil.rmtree(tmp_path / "cut" / "final")
+    for later in sorted((tmp_path / "cut").glob("step-*"))[1:]:
+        shutil.rmtree(later)
+    checkpoint = latest_checkpoint(tmp_path / "cut")
+    assert checkpoint is not None and checkpoint.name == "step-00000008"
+    state = torch.load(checkpoint / "resume.pt", weights_only=False)
+    assert (state["epoch"], state["consumed"]) == (1, 18)
+
+    mp.spawn(_train_worker_process, args=(2, str(tmp_path)), nprocs=2, join=True)
+    straight = json.loads((tmp_path / "straight" / "final" / "result.json").read_text())
+    resumed = json.loads((tmp_path / "cut" / "final" / "result.json").read_text())
+    assert resumed["workers"] == 2 and resumed["resumed_from_epoch"] == 1
+    assert [h["samples"] for h in resumed["history"]] == [h["samples"] for h in straight["history"]]
+    assert [h["loss"] for h in resumed["history"]] == pytest.approx(
+        [h["loss"] for h in straight["history"]], rel=1e-5
+    )
+    assert resumed["trained_tokens"] == sum(h["real_tokens"] for h in straight["history"][8:])
+    want = load_file(tmp_path / "straight" / "final" / "drafter" / "model.safetensors")
+    got = load_file(tmp_path / "cut" / "final" / "drafter" / "model.safetensors")
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
