@@ -35,7 +35,7 @@ from draftloop.infra.engines.base import Engine, ExtractedHiddenStates, get_engi
 from draftloop.infra.processes import PidRecord, state_dir
 from draftloop.kernels.families.base import family_for_config
 from draftloop.kernels.layer_ids import LayerIds
-from draftloop.kernels.shards import pack_hidden_shard, shard_metadata, shard_to_bytes
+from draftloop.kernels.shards import TARGET_DTYPE_KEY, pack_hidden_shard, shard_metadata, shard_to_bytes
 
 SHARD_PREFIX = "hidden-e00"
 
@@ -171,7 +171,12 @@ def extract_through_server(
         kept.append((row, ids, mask))
     final_norm = load_final_norm(target_dir, dtype)
     replies = asyncio.run(_request_all(engine, base_url, model, [ids for _, ids, _ in kept], concurrency))
-    metadata = shard_metadata(aux_layer_ids, str(target_dir), extraction_backend=f"engine:{engine.kind}")
+    metadata = shard_metadata(
+        aux_layer_ids,
+        str(target_dir),
+        extraction_backend=f"engine:{engine.kind}",
+        **{TARGET_DTYPE_KEY: engine.settings.dtype},
+    )
     samples: list[dict[str, torch.Tensor]] = []
 
     def flush() -> None:

@@ -30,11 +30,10 @@ from torch import Tensor
 
 from .drafter import DrafterConfig, Eagle3Drafter
 from .layer_ids import Convention, LayerIds, normalize_convention
-from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
+from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY
 
 __all__ = [
     "CHAT_TEMPLATE_KEY",
-    "TARGET_DTYPE_KEY",
     "TARGET_QUANTIZATION_KEY",
     "DrafterFormatError",
     "LayerIdExportError",
@@ -57,7 +56,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 # Keys of the draftloop block's metadata that record what the drafter was trained against.
 CHAT_TEMPLATE_KEY = "chat_template_sha256"
-TARGET_DTYPE_KEY = "target_dtype"
 TARGET_QUANTIZATION_KEY = "target_quantization"
 
 
@@ -108,7 +106,7 @@ def target_quantization(target_config: Mapping[str, Any]) -> str | None:
 
 
 def contract_record(
-    target_dir: str | os.PathLike[str], *, target_dtype: str, last_hidden_state: str | None
+    target_dir: str | os.PathLike[str], *, target_dtype: str | None, last_hidden_state: str | None
 ) -> dict[str, Any]:
     """What a drafter is trained against, for its draftloop block's metadata: the target tokenizer's chat
     template (synthesis and extraction render conversations with it), the dtype and quantization the

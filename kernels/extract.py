@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .capture import capture_aux_hidden_states
 from .layer_ids import LayerIds
-from .shards import shard_metadata
+from .shards import TARGET_DTYPE_KEY, shard_metadata
 
 __all__ = ["ExtractionStats", "ShardSink", "TokenizedSample", "extract_hidden_states"]
 
@@ -122,7 +122,8 @@ def extract_hidden_states(
     """
     device = next(model.parameters()).device
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    metadata = shard_metadata(layer_ids, target_name)
+    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    metadata = shard_metadata(layer_ids, target_name, **{TARGET_DTYPE_KEY: target_dtype})
     stats = ExtractionStats()
     pending: list[_Chunk] = []
     pending_samples = 0

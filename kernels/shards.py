@@ -3,7 +3,7 @@
 Tensors: ``input_ids`` int64 [N], ``loss_mask`` uint8 [N], ``seq_offsets`` int64 [S+1],
 ``aux_hidden`` [N, 3*Ht], ``last_hidden`` [N, Ht]. Metadata: ``aux_layer_ids`` (json, layer_input),
 ``target``, ``last_hidden_state`` (what ``last_hidden`` is: ``after_final_norm``, so the target's logits
-are ``lm_head(last_hidden)``, which training assumes).
+are ``lm_head(last_hidden)``, which training assumes), ``target_dtype`` (the dtype the target ran in).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "LAST_HIDDEN_AFTER_FINAL_NORM",
     "LAST_HIDDEN_STATE_KEY",
     "SHARD_KEYS",
+    "TARGET_DTYPE_KEY",
     "HiddenSample",
     "iter_hidden_samples",
     "pack_hidden_shard",
@@ -41,6 +42,8 @@ HiddenSample = dict[str, Tensor]
 # and carried into the drafter's draftloop block, where export and pairing check it.
 LAST_HIDDEN_STATE_KEY = "last_hidden_state"
 LAST_HIDDEN_AFTER_FINAL_NORM = "after_final_norm"
+# The dtype the target ran in when its hidden states were extracted (the drafter learnt those numerics).
+TARGET_DTYPE_KEY = "target_dtype"
 
 
 def pack_hidden_shard(samples: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:

@@ -26,7 +26,7 @@ from draftloop.infra.storage import DatasetWriter, Manifest, read_shard, storage
 from draftloop.infra.tracking import StageRun
 from draftloop.infra.train_worker import train_loop_per_worker
 from draftloop.kernels.checkpoint import contract_record
-from draftloop.kernels.shards import LAST_HIDDEN_STATE_KEY, shard_metadata_from_bytes
+from draftloop.kernels.shards import LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY, shard_metadata_from_bytes
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options
@@ -43,12 +43,13 @@ def work_dir(config: ExperimentConfig, key: str) -> Path:
 
 def drafter_record(config: ExperimentConfig, hidden: StageOutcome) -> dict[str, Any]:
     """What the drafter is trained against, for its draftloop block (the pairing check compares it with
-    what is served): the target's chat template and dtype, and what extraction recorded in its shards."""
+    what is served): the target's chat template, and what extraction recorded in its shards (the dtype the
+    target ran in, the last hidden state's semantics)."""
     first = next(info.name for info in hidden.manifest.shards if info.name.endswith(".safetensors"))
     extracted = shard_metadata_from_bytes(read_shard(hidden.manifest, first, storage_options(config)))
     return contract_record(
         config.target.path,
-        target_dtype=str(config.extraction.dtype),
+        target_dtype=extracted.get(TARGET_DTYPE_KEY),
         last_hidden_state=extracted.get(LAST_HIDDEN_STATE_KEY),
     )
 

@@ -31,7 +31,6 @@ from typing import Any, Literal
 from draftloop.infra.engines.base import Engine, EngineConfigError, read_json
 from draftloop.kernels.checkpoint import (
     CHAT_TEMPLATE_KEY,
-    TARGET_DTYPE_KEY,
     TARGET_QUANTIZATION_KEY,
     DrafterFormatError,
     chat_template_sha256,
@@ -42,7 +41,7 @@ from draftloop.kernels.checkpoint import (
 )
 from draftloop.kernels.drafter import DrafterConfig
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
-from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
+from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY
 
 
 class DrafterPairingError(EngineConfigError):
@@ -289,21 +288,21 @@ def _check_chat_template(pair: _Pair) -> Iterator[ContractIssue]:
         )
 
 
-def _served_dtype(pair: _Pair) -> str | None:
-    if pair.serving is None:
-        return None
-    if pair.serving.dtype != "auto":
-        return pair.serving.dtype
-    declared = pair.target.get("torch_dtype", pair.target.get("dtype"))
-    # An engine's "auto" keeps a 16-bit checkpoint's dtype and picks a 16-bit type for a float32 one.
+def _resolved_dtype(dtype: str, target: Mapping[str, Any]) -> str:
+    """An engine dtype setting as the dtype the target runs in: an engine's "auto" keeps a 16-bit
+    checkpoint's dtype (and picks a 16-bit type for a float32 one, left as "auto")."""
+    if dtype != "auto":
+        return dtype
+    declared = target.get("torch_dtype", target.get("dtype"))
     return str(declared) if declared in ("bfloat16", "float16") else "auto"
 
 
 def _check_target_numerics(pair: _Pair) -> Iterator[ContractIssue]:
     if pair.record is None or pair.serving is None:
         return
-    trained_dtype, served_dtype = pair.record.get(TARGET_DTYPE_KEY), _served_dtype(pair)
-    if trained_dtype is not None and trained_dtype != served_dtype:
+    trained_dtype = pair.record.get(TARGET_DTYPE_KEY)
+    served_dtype = _resolved_dtype(pair.serving.dtype, pair.target)
+    if trained_dtype is not None and _resolved_dtype(str(trained_dtype), pair.target) != served_dtype:
         yield ContractIssue(
             "target_dtype",
             "warning",
