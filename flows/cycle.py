@@ -32,16 +32,8 @@ from draftloop.tasks.register import register_stage
 from draftloop.tasks.synthesize import synthesize_stage
 from draftloop.tasks.train import train_stage
 
-# Set before Prefect, MLflow or Ray start in this process: no telemetry, time for Prefect's ephemeral
-# server to start on a busy machine, no tokenizer thread pool per Ray worker.
-_ENV_DEFAULTS = {
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-for _key, _value in _ENV_DEFAULTS.items():
-    os.environ.setdefault(_key, _value)
+# Tokenizers must not start a thread pool in every Ray worker (read when a tokenizer first runs).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class TrainAndEvalParams(BaseModel):

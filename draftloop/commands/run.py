@@ -26,11 +26,14 @@ DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml
 
 
 def _embedded_defaults(state: Path) -> dict[str, str]:
-    """Environment for a run in this process; anything the user set already wins."""
+    """Environment for a run in this process, set before Prefect is imported (it reads its settings
+    then); anything the user set already wins."""
     return {
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # The ephemeral API server can take a minute to start on a busy machine (default: 20 s).
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
         "DO_NOT_TRACK": "1",
         # Actor output would interleave with the progress bars; failures still carry remote tracebacks.
         "DRAFTLOOP_RAY_LOG_TO_DRIVER": "0",
