@@ -211,3 +211,28 @@ def test_aux_layer_ids_beyond_the_targets_depth_are_refused(target: Path, tmp_pa
     assert (
         f"aux layers [1, 2, {depth + 3}] (layer_input) but the target has {depth} decoder layers" in message
     )
+
+
+def test_extraction_records_what_the_contract_checks(target: Path) -> None:
+    """Shards carry the last hidden state's semantics and the dtype the target ran in; the drafter's
+    record (as the train stage builds it) takes them from there."""
+    from fixtures_kernels import load_target
+
+    from draftloop.kernels.extract import extract_hidden_states
+    from draftloop.kernels.shards import TARGET_DTYPE_KEY
+
+    model, _ = load_target(target)
+    model = model.to(torch.bfloat16)
+    ids = family_for_config(target_config(target)).default_aux_layer_ids(model.config.num_hidden_layers)
+    recorded: dict[str, str] = {}
+    sample = {"input_ids": torch.arange(1, 9), "loss_mask": torch.ones(8, dtype=torch.uint8)}
+    extract_hidden_states(
+        model, [[sample]], ids, lambda _name, _tensors, meta: recorded.update(meta),
+        target_name="t", samples_per_shard=1,
+    )  # fmt: skip
+    assert recorded[LAST_HIDDEN_STATE_KEY] == LAST_HIDDEN_AFTER_FINAL_NORM
+    assert recorded[TARGET_DTYPE_KEY] == "bfloat16"
+    record = contract_record(
+        target, target_dtype=recorded[TARGET_DTYPE_KEY], last_hidden_state=recorded[LAST_HIDDEN_STATE_KEY]
+    )
+    assert record["target_dtype"] == "bfloat16" and record[CHAT_TEMPLATE_KEY]
