@@ -191,9 +191,10 @@ def check_safetensors_file(path: str | os.PathLike[str]) -> None:
         )
 
 
-def check_target_weights(target_dir: str | os.PathLike[str]) -> list[Path]:
+def check_target_weights(target_dir: str | os.PathLike[str], *, allow_bin: bool = False) -> list[Path]:
     """The target's safetensors files, each checked complete; refuses a folder without weights, or whose
-    index names a file that is not there."""
+    index names a file that is not there. ``allow_bin``: a folder of pytorch_model*.bin files only is
+    accepted as it is (engines serve it; only safetensors headers can be checked cheaply)."""
     folder = Path(target_dir)
     index_path = folder / "model.safetensors.index.json"
     if index_path.exists():
@@ -208,6 +209,8 @@ def check_target_weights(target_dir: str | os.PathLike[str]) -> list[Path]:
                 )
     else:
         files = sorted(folder.glob("*.safetensors"))
+        if not files and allow_bin and any(folder.glob("pytorch_model*.bin")):
+            return sorted(folder.glob("pytorch_model*.bin"))
         if not files:
             raise DrafterFormatError(f"{folder}: no *.safetensors weights files", check="weights")
     for file in files:

@@ -15,6 +15,7 @@ from test_drafter_contract import SERVING, make_drafter, refusal, target_config
 from typer.testing import CliRunner
 
 from draftloop.cli import app
+from draftloop.infra.engines.pairing import check_drafter_pairing
 from draftloop.kernels.checkpoint import DrafterFormatError, load_drafter, load_target_head
 
 
@@ -53,6 +54,11 @@ def test_target_without_weights_is_refused(target: Path, tmp_path: Path) -> None
     with pytest.raises(DrafterFormatError, match=r"target: no \*\.safetensors weights files"):
         load_target_head(target)
     assert "target: no *.safetensors weights files" in refusal(target, drafter)
+    # Only pickled weights: engines serve them, pairing accepts them; training needs safetensors.
+    (target / "pytorch_model.bin").write_bytes(b"")
+    check_drafter_pairing(target, drafter, SERVING)
+    with pytest.raises(DrafterFormatError, match=r"target: no \*\.safetensors weights files"):
+        load_target_head(target)
 
 
 def test_target_whose_index_names_a_missing_file_is_refused(target: Path, tmp_path: Path) -> None:

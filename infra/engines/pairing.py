@@ -156,7 +156,7 @@ def _check_attention(pair: _Pair) -> Iterator[ContractIssue]:
 
 def _check_target_weights(pair: _Pair) -> Iterator[ContractIssue]:
     try:
-        check_target_weights(pair.target_dir)
+        check_target_weights(pair.target_dir, allow_bin=True)
     except DrafterFormatError as error:
         yield ContractIssue("target_weights", "error", str(pair.target_dir), str(error))
 
