@@ -236,3 +236,29 @@ def test_extraction_records_what_the_contract_checks(target: Path) -> None:
         target, target_dtype=recorded[TARGET_DTYPE_KEY], last_hidden_state=recorded[LAST_HIDDEN_STATE_KEY]
     )
     assert record["target_dtype"] == "bfloat16" and record[CHAT_TEMPLATE_KEY]
+
+
+def test_train_stage_records_the_contract_from_the_stored_shards(target: Path, tmp_path: Path) -> None:
+    """tasks/train.drafter_record: the chat template from the target, the rest from the first shard."""
+    from types import SimpleNamespace
+
+    from draftloop.infra.config import ExperimentConfig
+    from draftloop.infra.storage import DatasetWriter
+    from draftloop.kernels.shards import TARGET_DTYPE_KEY, shard_metadata, shard_to_bytes
+    from draftloop.tasks.train import drafter_record
+
+    config = ExperimentConfig.load(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny-llama.yaml",
+        {"target.path": str(target), "target.create": None, "storage.root": str(tmp_path / "runs")},
+        check_environment=False,
+    )
+    ids = family_for_config(target_config(target)).default_aux_layer_ids(6)
+    metadata = shard_metadata(ids, str(target), **{TARGET_DTYPE_KEY: "bfloat16"})
+    writer = DatasetWriter(str(tmp_path / "runs" / "hidden"))
+    writer.write_shard("hidden-00000.safetensors", shard_to_bytes({"x": torch.zeros(1)}, metadata), rows=1)
+    manifest = writer.commit("extract")
+    record = drafter_record(config, SimpleNamespace(manifest=manifest))  # type: ignore[arg-type]
+    expected = contract_record(
+        target, target_dtype="bfloat16", last_hidden_state=LAST_HIDDEN_AFTER_FINAL_NORM
+    )
+    assert record == expected and record[CHAT_TEMPLATE_KEY]
