@@ -88,7 +88,7 @@ def test_truncated_target_weights_are_refused(target: Path, tmp_path: Path) -> N
         load_target_head(target)
 
 
-def _rewrite_drafter_weights(drafter: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+def _rewrite_drafter_weights(drafter: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> None:
     weights = load_file(str(drafter / "model.safetensors"))
     change(weights)
     save_file(weights, str(drafter / "model.safetensors"))
