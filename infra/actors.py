@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftloop.infra.conversations import SynthesisResult, split_reasoning
+from draftloop.infra.conversations import SynthesisResult, iter_conversations, split_reasoning
+from draftloop.infra.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
-from draftloop.kernels.shards import shard_to_bytes
+from draftloop.kernels.shards import shard_chunks
 
 # Ray 2.60 turns token auth on and writes ~/.ray/auth_token; a local, in-process cluster needs neither.
 _LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -254,6 +256,21 @@ def tokenize_conversation(
     return ids[:max_length], mask[:max_length]
 
 
+# Skipped conversations an actor names (with the reason) beside its count: a bounded return value.
+_SKIP_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class ExtractedShards:
+    """What an extraction actor returns: the shards it wrote (their ShardInfo, never their bytes)."""
+
+    shards: list[ShardInfo]
+    tokens: int
+    skipped: int  # conversations with no assistant token within data.max_length
+    skip_examples: list[dict[str, str]]  # the first few of them, {"id", "reason"}
+    seconds: float
+
+
 class HiddenStateExtractor:
     """Hosts the HF target and captures aux + final hidden states (a Ray actor in the flow)."""
 
@@ -277,41 +294,79 @@ class HiddenStateExtractor:
         # Hooks capture from one process; keep the thread count to what Ray gave this actor.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
-    def extract(
+    def extract_slice(
         self,
-        conversations: list[dict[str, Any]],
+        conversations: Manifest,
+        start: int,
+        end: int,
+        dataset_uri: str,
+        options: StorageOptions,
         shard_prefix: str,
         samples_per_shard: int,
         max_length: int,
         batch_size: int = 4,
-    ) -> dict[str, Any]:
-        """Capture every conversation: {"shards": [(name, bytes, rows)], "tokens", "skipped", "seconds"}.
+    ) -> ExtractedShards:
+        """As :meth:`extract` over conversations `start`..`end` of a synthesize dataset, read here from
+        storage one shard at a time (so the driver never holds the conversations either)."""
+        rows = iter_conversations(conversations, start, end, options)
+        return self.extract(
+            rows, dataset_uri, options, shard_prefix, samples_per_shard, max_length, batch_size
+        )
 
-        Forward passes, device-to-host copies and shard packing overlap (kernels.extract); shards come
-        back as bytes for the driver to commit in one manifest.
+    def extract(
+        self,
+        conversations: Iterable[dict[str, Any]],
+        dataset_uri: str,
+        options: StorageOptions,
+        shard_prefix: str,
+        samples_per_shard: int,
+        max_length: int,
+        batch_size: int = 4,
+    ) -> ExtractedShards:
+        """Capture every conversation and write its shards into the dataset folder `dataset_uri`.
+
+        Conversations are tokenized as the batches are consumed; forward passes, device-to-host copies
+        and shard writes overlap (kernels.extract), and each shard is streamed from host memory to
+        storage. Only the shards' ShardInfo come back: the driver lists them in the one manifest it
+        commits, so no hidden state passes through it or Ray's object store.
         """
-        skipped: list[dict[str, str]] = []
-        samples: list[dict[str, Any]] = []
-        for row in conversations:
-            ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
-            if sum(mask) == 0:
-                skipped.append({"id": row["id"], "reason": "no assistant tokens within data.max_length"})
-                continue
-            samples.append(
-                {
-                    "input_ids": torch.tensor(ids, dtype=torch.long),
-                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                }
-            )
-        batches = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
-        shards: dict[str, tuple[bytes, int]] = {}
+        skipped = 0
+        skip_examples: list[dict[str, str]] = []
+
+        def batches() -> Iterator[list[dict[str, Any]]]:
+            nonlocal skipped
+            batch: list[dict[str, Any]] = []
+            for row in conversations:
+                ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
+                if sum(mask) == 0:
+                    skipped += 1
+                    if len(skip_examples) < _SKIP_EXAMPLES:
+                        skip_examples.append(
+                            {"id": row["id"], "reason": "no assistant tokens within data.max_length"}
+                        )
+                    continue
+                batch.append(
+                    {
+                        "input_ids": torch.tensor(ids, dtype=torch.long),
+                        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                    }
+                )
+                if len(batch) == batch_size:
+                    yield batch
+                    batch = []
+            if batch:
+                yield batch
+
+        # Never commits: the driver adopts these shards into its own writer and writes the manifest.
+        writer = DatasetWriter(dataset_uri, storage_options=options)
 
         def sink(name: str, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
-            shards[name] = (shard_to_bytes(tensors, metadata), int(tensors["seq_offsets"].shape[0]) - 1)
+            rows = int(tensors["seq_offsets"].shape[0]) - 1
+            writer.write_shard_chunks(name, shard_chunks(tensors, metadata), rows=rows)
 
         stats = extract_hidden_states(
             self.model,
-            batches,
+            batches(),
             self.layer_ids,
             sink,
             target_name=self.target_path,
@@ -319,8 +374,13 @@ class HiddenStateExtractor:
             shard_prefix=shard_prefix,
             store_dtype=self.dtype,
         )
-        ordered = [(name, *shards[name]) for name in stats.shard_names]
-        return {"shards": ordered, "tokens": stats.tokens, "skipped": skipped, "seconds": stats.seconds}
+        return ExtractedShards(
+            shards=sorted(writer.shards, key=lambda info: info.name),
+            tokens=stats.tokens,
+            skipped=skipped,
+            skip_examples=skip_examples,
+            seconds=stats.seconds,
+        )
 
 
 def remote_hidden_state_extractor(num_gpus: float) -> Any:

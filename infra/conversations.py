@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,29 @@ def read_conversations(manifest: Manifest, options: StorageOptions | None = None
         if shard.name.startswith(CONVERSATIONS_SHARD_PREFIX):
             rows.extend(_read_jsonl(manifest, shard.name, options))
     return rows
+
+
+def conversation_count(manifest: Manifest) -> int:
+    """How many accepted conversations a synthesize dataset holds (from its manifest, reading nothing)."""
+    return sum(s.rows for s in manifest.shards if s.name.startswith(CONVERSATIONS_SHARD_PREFIX))
+
+
+def iter_conversations(
+    manifest: Manifest, start: int, end: int, options: StorageOptions | None = None
+) -> Iterator[dict[str, Any]]:
+    """Conversations `start` to `end` (exclusive, in shard order), reading only the shards that hold them,
+    one at a time (an extraction actor reads its own slice; the driver reads none)."""
+    first = 0
+    for shard in manifest.shards:
+        if not shard.name.startswith(CONVERSATIONS_SHARD_PREFIX):
+            continue
+        last = first + shard.rows
+        if last > start and first < end:
+            rows = _read_jsonl(manifest, shard.name, options)
+            yield from rows[max(0, start - first) : end - first]
+        first = last
+        if first >= end:
+            return
 
 
 def read_eval_prompts(manifest: Manifest, options: StorageOptions | None = None) -> list[dict[str, str]]:

@@ -275,6 +275,23 @@ class DatasetWriter:
         sha256, size = write_chunks_atomic(join(self.uri, name), chunks, self.options, fsync=self.fsync)
         return self._record(ShardInfo(name=name, rows=int(rows), sha256=sha256, size=size))
 
+    def adopt_shard(self, info: ShardInfo) -> ShardInfo:
+        """List a shard another process wrote into this dataset's folder (e.g. an extraction actor
+        through its own writer, never committing); its file must exist with the size it reports."""
+        self._check_new_shard(info.name)
+        fs, path = filesystem(join(self.uri, info.name), self.options)
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache(path)
+        try:
+            size = int(fs.size(path))
+        except FileNotFoundError:
+            raise ShardIntegrityError(info.name, self.uri, "file is missing") from None
+        if size != info.size:
+            raise ShardIntegrityError(
+                info.name, self.uri, f"size {size} bytes, its writer reported {info.size}"
+            )
+        return self._record(info)
+
     def commit(
         self, stage: str, inputs: dict[str, str] | None = None, summary: dict[str, Any] | None = None
     ) -> Manifest:

@@ -1,7 +1,9 @@
 """Stage 2, extract: conversations -> hidden-state shards (aux layers + final hidden state) per sample.
 
 Ray actors host the Hugging Face target (`extraction.num_actors`, `num_gpus_per_actor` each); every
-actor owns one contiguous slice of the conversations and so one set of shards. Capture goes through
+actor reads one contiguous slice of the conversations from storage and writes its own shards straight
+into the stage's dataset folder, returning only their ShardInfo; the task commits the one manifest, so
+no conversation or hidden state passes through the driver or Ray's object store. Capture goes through
 kernels.capture (hooks, layer_input ids), packing through kernels.shards, storage through infra.storage.
 
 `extraction.backend: engine` is for targets too large for one process: the engine server computes the
@@ -11,15 +13,18 @@ hidden states (infra/engine_extraction.py) and they are repacked into the same s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from typing import Any
 
 import ray
 from prefect import task
 
-from draftloop.infra.actors import ensure_ray, kill_actors, remote_hidden_state_extractor
+from draftloop.infra.actors import (
+    ExtractedShards,
+    ensure_ray,
+    kill_actors,
+    remote_hidden_state_extractor,
+)
 from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.conversations import read_conversations
+from draftloop.infra.conversations import conversation_count, read_conversations
 from draftloop.infra.engine_extraction import extract_with_engine
 from draftloop.infra.processes import PidRecord
 from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
@@ -37,9 +42,14 @@ def _slices(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _extract_in_process(
-    config: ExperimentConfig, target_path: str, rows: list[dict[str, Any]], slices: list[tuple[int, int]]
-) -> list[dict[str, Any]]:
-    """One Ray actor per slice of `rows`: {"shards", "tokens", "skipped", "seconds"} each."""
+    config: ExperimentConfig,
+    target_path: str,
+    conversations: Manifest,
+    slices: list[tuple[int, int]],
+    writer: DatasetWriter,
+) -> list[ExtractedShards]:
+    """One Ray actor per slice of the conversations; each reads its slice and writes its shards straight
+    into `writer`'s folder, returning their ShardInfo, which `writer` adopts for the manifest."""
     section = config.extraction
     actor_class = remote_hidden_state_extractor(float(section.num_gpus_per_actor))
     layer_ids = config.aux_layer_ids_internal()
@@ -49,18 +59,25 @@ def _extract_in_process(
     ]
     try:
         futures = [
-            actors[index].extract.remote(
-                rows[start:end],
+            actors[index].extract_slice.remote(
+                conversations,
+                start,
+                end,
+                writer.uri,
+                writer.options,
                 f"hidden-a{index:02d}",
                 int(section.samples_per_shard),
                 int(config.data.max_length),
             )
             for index, (start, end) in enumerate(slices)
         ]
-        results: list[dict[str, Any]] = ray.get(futures)
-        return results
+        results: list[ExtractedShards] = ray.get(futures)
     finally:
         kill_actors(actors)
+    for result in results:
+        for info in result.shards:
+            writer.adopt_shard(info)
+    return results
 
 
 def run(
@@ -74,40 +91,39 @@ def run(
     def body(work: StageWork) -> Manifest:
         ensure_ray(config.ray.address)
         options = storage_options(config)
-        rows = read_conversations(conversations.manifest, options)
-        if not rows:
+        count = conversation_count(conversations.manifest)
+        if count == 0:
             raise StageError("extract", f"no conversations in {conversations.uri}")
         target_path = ensure_target(config)
         section = config.extraction
         layer_ids = config.aux_layer_ids_internal()
-        if section.backend == "engine":
-            engine_result = extract_with_engine(config, target_path, rows, pids)
-            results = [asdict(engine_result)]
-            slices = [(0, len(rows))]
-        else:
-            slices = _slices(len(rows), max(1, int(section.num_actors)))
-            results = _extract_in_process(config, target_path, rows, slices)
         writer = DatasetWriter(work.uri, storage_options=options)
-        tokens = 0
-        skipped: list[dict[str, str]] = []
-        samples = 0
-        seconds = 0.0
-        for result in results:
-            for name, data, count in result["shards"]:
-                writer.write_shard(name, data, rows=count)
-                samples += count
-            tokens += int(result["tokens"])
-            skipped.extend(result["skipped"])
-            seconds = max(seconds, float(result["seconds"]))  # actors run in parallel
+        if section.backend == "engine":
+            rows = read_conversations(conversations.manifest, options)
+            engine_result = extract_with_engine(config, target_path, rows, pids)
+            for name, data, rows_in_shard in engine_result.shards:
+                writer.write_shard(name, data, rows=rows_in_shard)
+            tokens, seconds = engine_result.tokens, engine_result.seconds
+            skipped, skip_examples = len(engine_result.skipped), engine_result.skipped[:3]
+            actors = 1
+        else:
+            slices = _slices(count, max(1, int(section.num_actors)))
+            results = _extract_in_process(config, target_path, conversations.manifest, slices, writer)
+            tokens = sum(result.tokens for result in results)
+            seconds = max(result.seconds for result in results)  # actors run in parallel
+            skipped = sum(result.skipped for result in results)
+            skip_examples = [example for result in results for example in result.skip_examples]
+            actors = len(slices)
+        samples = sum(info.rows for info in writer.shards)
         if samples == 0:
-            raise StageError("extract", f"every conversation was skipped: {skipped[:3]}")
+            raise StageError("extract", f"every conversation was skipped: {skip_examples[:3]}")
         summary = {
             "target": target_path,
             "samples": samples,
             "tokens": tokens,
-            "skipped": len(skipped),
+            "skipped": skipped,
             "backend": section.backend,
-            "actors": len(slices),
+            "actors": actors,
             "aux_layer_ids": list(layer_ids.ids),
             "layer_id_convention": "layer_input",
             "seconds": round(seconds, 3),

@@ -153,6 +153,9 @@ def run(
         block = drafter_config.get("draftloop", {})
         final_metrics = result["final"]
         seconds = float(result["seconds"])
+        # Real sample tokens over computed row slots (padding included), over every epoch and worker.
+        real_tokens = sum(int(epoch["real_tokens"]) for epoch in result["epochs"])
+        computed_tokens = sum(int(epoch["computed_tokens"]) for epoch in result["epochs"])
         summary = {
             "drafter_files": list(DRAFTER_FILES),
             "engine_format": str(config.engine.kind),
@@ -166,6 +169,7 @@ def run(
             "workers": result["workers"],
             "seconds": round(seconds, 3),
             "tokens_per_s": round(result["trained_tokens"] / seconds, 3) if seconds > 0 else None,
+            "packing_efficiency": round(real_tokens / computed_tokens, 4) if computed_tokens else None,
         }
         return writer.commit("train", inputs=work.inputs, summary=summary)
 

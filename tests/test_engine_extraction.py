@@ -178,9 +178,10 @@ def test_engine_hidden_states_equal_in_process(extraction_server: Any) -> None:
     # In process, with the ids given in each convention: both name the same layers.
     for ids in (AUX, AUX.to("layer_output")):
         extractor = HiddenStateExtractor(str(target), list(ids.ids), ids.convention, "float32")
-        reference = extractor.extract(CONVERSATIONS, "hidden-a00", 8, 256)
-        assert [row["id"] for row in reference["skipped"]] == ["no-answer"]
-        tensors, metadata = shard_from_bytes(reference["shards"][0][1])
+        written = run_dir / f"in-process-{ids.convention}"
+        reference = extractor.extract(CONVERSATIONS, str(written), {}, "hidden-a00", 8, 256)
+        assert [row["id"] for row in reference.skip_examples] == ["no-answer"]
+        tensors, metadata = shard_from_bytes((written / reference.shards[0].name).read_bytes())
         assert shard_layer_ids(metadata) == AUX
         in_process = list(iter_hidden_samples(tensors))
         assert len(in_process) == len(engine_samples) == 3

@@ -128,6 +128,7 @@ def test_sigkill_during_training_resumes_without_redoing_upstream(
     train_manifest = _manifest(resumed["stages"]["train"]["uri"])
     assert train_manifest.summary["resumed_from_epoch"] >= 1
     assert train_manifest.summary["steps"] == 3 * 3  # 24 samples / batch 8 = 3 steps per epoch, all kept
+    assert 0 < train_manifest.summary["packing_efficiency"] <= 1
 
     # Same result as an uninterrupted training on the same data (computed here, without Ray).
     _assert_same_as_uninterrupted(config, resumed, train_manifest, flow_env.workdir / "reference")
