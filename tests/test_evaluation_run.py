@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 from fake_engine import fake_engine
+from fixtures_engine import shift_exported_layer_ids
 
+from draftloop.infra.engines.base import EngineConfigError, EngineError
 from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures
@@ -109,3 +111,29 @@ def test_evaluate_through_ray_actors(tmp_path: Path, served_target: Path) -> Non
     assert report.baseline.startup_s is not None and report.lossless
     assert not list((tmp_path / "eval" / "engine-servers").glob("*.json"))  # both servers stopped
     assert ray.is_initialized()
+
+
+def test_a_server_that_dies_on_a_mismatched_export_is_reported_as_the_exports_fault(
+    tmp_path: Path, served_target: Path
+) -> None:
+    good = saved_drafter(served_target, tmp_path / "good")
+    first = evaluate(
+        fake_engine(), served_target, good, ["a"], tmp_path / "eval", max_tokens=4, concurrency=[1],
+        simulator=_sim(0.4),
+    )  # fmt: skip
+    # Exported one off, and the server dies serving it (as vLLM's DeepSeek-V2 does for layer 0).
+    shifted = shift_exported_layer_ids(good, tmp_path / "shifted", 1)
+    with pytest.raises(EngineConfigError) as refused:
+        evaluate(
+            fake_engine("--mode", "exit"), served_target, shifted, ["a"], tmp_path / "eval2",
+            max_tokens=4, concurrency=[1], simulator=_sim(0.4), baseline=first.baseline,
+        )  # fmt: skip
+    message = str(refused.value)
+    assert "integration fault" in message and "trained on layer_input [1, 3, 5]" in message
+    # A server failure with a consistent export stays the engine's own error.
+    with pytest.raises(EngineError) as failed:
+        evaluate(
+            fake_engine("--mode", "exit"), served_target, good, ["a"], tmp_path / "eval3",
+            max_tokens=4, concurrency=[1], simulator=_sim(0.4), baseline=first.baseline,
+        )  # fmt: skip
+    assert "integration fault" not in str(failed.value)

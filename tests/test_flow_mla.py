@@ -20,7 +20,7 @@ from fixtures_flow import REPO_ROOT, VLLM_PYTHON, FlowEnv, run_cycle_in_process
 
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.conversations import read_eval_prompts
-from draftloop.infra.engines.base import get_engine
+from draftloop.infra.engines.base import EngineConfigError, get_engine
 from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
@@ -92,20 +92,32 @@ def test_mla_cycle_is_ok_lossless_consistent_and_champion(mla_cycle: MlaCycle) -
 
 
 def test_mla_drafter_exported_off_by_one_is_an_integration_fault(mla_cycle: MlaCycle, tmp_path: Path) -> None:
-    """The conventions bug on the MLA pair: ids exported one lower than vLLM reads them."""
+    """The conventions bug on the MLA pair: ids exported one lower than vLLM reads them.
+
+    Here that is [0, 1, 2], and vLLM 0.32's DeepSeek-V2 model cannot capture layer 0 (no residual yet):
+    its speculative server dies on the first request. Either way the evaluation must name the export as
+    the integration fault: a verdict when the engine runs, a refusal naming the ids when it cannot.
+    """
     config, summary, report = mla_cycle.config, mla_cycle.summary, mla_cycle.report
     shifted = shift_exported_layer_ids(Path(report["drafter"]), tmp_path / "shifted", -1)
     conversations = read_manifest(summary["stages"]["synthesize"]["uri"])
     prompts = [row["prompt"] for row in read_eval_prompts(conversations, storage_options(config))]
     engine = get_engine(config.engine.kind, config.engine.settings())
-    faulty = evaluate(
-        engine, Path(report["target"]), shifted, prompts, tmp_path / "eval",
-        max_tokens=report["max_tokens"], concurrency=[1],
-        num_speculative_tokens=report["num_speculative_tokens"],
-        acceptance_tolerance=report["acceptance_tolerance"],
-        baseline=ServerRun.from_json(report["baseline"]),
-    )  # fmt: skip
-    print(f"\n[flow-mla off-by-one] {faulty.consistency}; reasons {faulty.reasons}")
-    assert faulty.verdict == VERDICT_FAULT
-    assert any("trained on layer_input [1, 2, 3]" in reason for reason in faulty.reasons), faulty.reasons
-    assert faulty.lossless  # the verifier still rejects the bad drafts
+    reasons: list[str]
+    try:
+        faulty = evaluate(
+            engine, Path(report["target"]), shifted, prompts, tmp_path / "eval",
+            max_tokens=report["max_tokens"], concurrency=[1],
+            num_speculative_tokens=report["num_speculative_tokens"],
+            acceptance_tolerance=report["acceptance_tolerance"],
+            baseline=ServerRun.from_json(report["baseline"]),
+        )  # fmt: skip
+    except EngineConfigError as refused:
+        reasons = [str(refused)]
+        assert "integration fault" in reasons[0]
+    else:
+        print(f"\n[flow-mla off-by-one] {faulty.consistency}; reasons {faulty.reasons}")
+        assert faulty.verdict == VERDICT_FAULT
+        assert faulty.lossless  # the verifier still rejects the bad drafts
+        reasons = faulty.reasons
+    assert any("trained on layer_input [1, 2, 3]" in reason for reason in reasons), reasons

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.engines.base import Engine, EngineConfigError, read_json
+from draftloop.infra.engines.base import Engine, EngineConfigError, EngineError, read_json
 from draftloop.infra.engines.pairing import ServingContract, check_drafter_pairing
 from draftloop.infra.evaluation.benchmark import ServerRun, benchmark_server
 from draftloop.infra.evaluation.plots import write_plots
@@ -135,7 +135,18 @@ def evaluate(
 
     if baseline is None:
         baseline = _benchmark(start, "baseline", None, engine, prompt_ids, levels, max_tokens)
-    speculative = _benchmark(start, "speculative", drafter_dir, engine, prompt_ids, levels, max_tokens)
+    layer_id_mismatch = exported_layer_id_mismatch(engine, drafter_dir)
+    try:
+        speculative = _benchmark(start, "speculative", drafter_dir, engine, prompt_ids, levels, max_tokens)
+    except EngineError as error:
+        if layer_id_mismatch is None:
+            raise
+        # The engine could not run the drafter with the ids it was given (vLLM's DeepSeek-V2 model has
+        # no residual to capture before layer 0): the export is the cause, so say that first.
+        raise EngineConfigError(
+            str(drafter_dir / "config.json"),
+            f"integration fault: {layer_id_mismatch}; the speculative server failed with them: {error}",
+        ) from error
 
     attention = family_for_config(read_json(target_dir / "config.json")).drafter_attention
     engine_mode = engine_numeric_mode(engine.settings, target_dir, attention)
@@ -167,7 +178,7 @@ def evaluate(
         lossless=not mismatched,
         mean_acceptance_length=acceptance.get("mean_acceptance_length") if acceptance else None,
         min_acceptance_length=min_acceptance_length,
-        layer_id_mismatch=exported_layer_id_mismatch(engine, drafter_dir),
+        layer_id_mismatch=layer_id_mismatch,
         numeric_mode_mismatch=mismatch,
         comparable=comparison.comparable,
     )
