@@ -282,7 +282,7 @@ def _generated_corpus(prompt_texts: list[str], seed: int, num_lines: int = 3000)
 def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE, thinking: bool = False) -> Any:
     """Train a byte-level BPE tokenizer on the built-in prompts plus seeded generated text and wrap
     it as a transformers fast tokenizer carrying the chat template and special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     prompt_texts = _builtin_prompt_texts()
@@ -302,15 +302,22 @@ def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE, thinking: bool = Fa
         raise RuntimeError(f"tokenizer reached {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
     for expected_id, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == expected_id, token
-    return PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=SPECIAL_TOKENS[2:] + (THINK_TOKENS if thinking else []),
+        additional_special_tokens=SPECIAL_TOKENS[2:],
         chat_template=THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE,
         model_max_length=_COMMON_FIELDS["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
+    if thinking:
+        # Not special, as in real thinking models: decoding with skip_special_tokens (servers' default)
+        # keeps </think> in the text, where reasoning parsers look for it.
+        wrapped._tokenizer.add_tokens(
+            [AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS]
+        )
+    return wrapped
 
 
 # ---------------------------------------------------------------------------------------------
