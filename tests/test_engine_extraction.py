@@ -201,3 +201,46 @@ def test_cpu_writer_patch_applied(extraction_server: Any) -> None:
     records = [json.loads(line) for line in (run_dir / "plugin-report.jsonl").read_text().splitlines()]
     statuses = {p["name"]: p["status"] for r in records if r.get("event") == "register" for p in r["patches"]}
     assert statuses["cpu_hidden_states_writer"] == "applied"
+
+
+# ------------------------------------------------------------------------------------------------
+# The MLA target (tiny-deepseek, DeepSeek-V3 shape): vLLM's CPU build serves it in bfloat16 only (its
+# MoE kernel refuses float32), so both sides run in bfloat16 and agree to bf16 rounding accumulated over
+# 4 layers (attention, MoE routing): the tolerance below is twice the largest error measured (0.125 on
+# the aux layers, 0.0625 on last_hidden: one or two bf16 steps at the layer markers' magnitude).
+MLA_AUX = LayerIds((1, 2, 3), "layer_input")
+MLA_ATOL, MLA_RTOL = 0.25, 0.05
+
+
+@pytest.mark.slow
+def test_mla_engine_hidden_states_close_to_in_process(
+    zoo_target_dir: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    require_vllm_env()
+    target = zoo_target_dir("tiny-deepseek")
+    run_dir = tmp_path_factory.mktemp("engine-extraction-mla")
+    settings = vllm_settings(dtype="bfloat16")
+    engine = extraction_engine(get_engine("vllm", settings), MLA_AUX, target_depth(target), run_dir / "hs")
+    with EngineServer(engine, target, run_dir, name="extraction-mla") as server:
+        result = extract_through_server(
+            engine, server.base_url, "target", target, CONVERSATIONS, MLA_AUX,
+            samples_per_shard=8, max_length=256, dtype=torch.bfloat16, concurrency=4,
+        )  # fmt: skip
+    (shard,) = result.shards
+    engine_samples = list(iter_hidden_samples(shard_from_bytes(shard[1])[0]))
+    extractor = HiddenStateExtractor(str(target), list(MLA_AUX.ids), "layer_input", "bfloat16")
+    written = run_dir / "in-process"
+    reference = extractor.extract(CONVERSATIONS, str(written), {}, "hidden-a00", 8, 256)
+    in_process = list(
+        iter_hidden_samples(shard_from_bytes((written / reference.shards[0].name).read_bytes())[0])
+    )
+    assert len(engine_samples) == len(in_process) == 3
+    worst = {"aux_hidden": 0.0, "last_hidden": 0.0}
+    for ours, theirs in zip(engine_samples, in_process, strict=True):
+        assert torch.equal(ours["input_ids"], theirs["input_ids"])
+        assert torch.equal(ours["loss_mask"], theirs["loss_mask"])
+        for key in worst:
+            difference = (ours[key].float() - theirs[key].float()).abs()
+            worst[key] = max(worst[key], float(difference.max()))
+            torch.testing.assert_close(ours[key].float(), theirs[key].float(), rtol=MLA_RTOL, atol=MLA_ATOL)
+    print(f"largest |engine - in-process| (tiny-deepseek, bfloat16): {worst}")
