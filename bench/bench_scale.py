@@ -1,0 +1,303 @@
+"""Memory flat in data size (CPU, tiny-llama): peak RSS of the extract and train stages at N and 8N samples.
+
+Each stage runs in its own driver process (the product's stage code: tasks.extract.run, tasks.train.run,
+with their Ray actors / Ray Train workers); a sampler reads /proc/<pid>/status VmHWM of every process
+in the driver's tree (Ray's own processes included) every 0.1 s and keeps each process's largest value;
+a stage's peak is the sum over its processes. Synthesis is not measured: conversations are generated
+synthetically (varied lengths) and written as a synthesize-stage dataset.
+
+    .venv/bin/python bench/bench_scale.py --samples 256 --factor 8 --out bench/results-scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ROWS_PER_CONVERSATION_SHARD = 256
+# Smaller than the default 64 so that even the small dataset has more shards than the training
+# window (shuffle_window_shards + prefetch_shards): what stays in memory is then set by the config alone.
+SAMPLES_PER_SHARD = 16
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "this",
+    "be",
+    "are",
+    "from",
+    "or",
+    "have",
+    "an",
+    "not",
+]
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces: split after ')'
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def _tree(root: int) -> list[int]:
+    children = _children()
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def _status_kib(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class TreeSampler:
+    """Largest VmHWM seen per process of a tree, and the largest instantaneous sum of VmRSS."""
+
+    def __init__(self, root: int, interval_s: float = 0.1) -> None:
+        self.root = root
+        self.interval_s = interval_s
+        self.peak_kib: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+        self.max_rss_sum_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss_sum = 0
+            for pid in _tree(self.root):
+                hwm = _status_kib(pid, "VmHWM")
+                rss_sum += _status_kib(pid, "VmRSS")
+                if hwm > self.peak_kib.get(pid, 0):
+                    self.peak_kib[pid] = hwm
+                    if pid not in self.names:
+                        try:
+                            self.names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+                        except OSError:
+                            self.names[pid] = "?"
+            self.max_rss_sum_kib = max(self.max_rss_sum_kib, rss_sum)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        top = sorted(self.peak_kib.items(), key=lambda item: -item[1])[:6]
+        return {
+            "peak_rss_mib": round(sum(self.peak_kib.values()) / 1024, 1),
+            "max_concurrent_rss_mib": round(self.max_rss_sum_kib / 1024, 1),
+            "processes": len(self.peak_kib),
+            "largest": [
+                {"name": self.names.get(pid, "?"), "peak_mib": round(kib / 1024, 1)} for pid, kib in top
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------------- one stage
+
+
+def _config(workdir: Path, samples: int) -> Any:
+    import yaml
+
+    from draftloop.infra.config import ExperimentConfig
+
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
+    raw["name"] = f"scale-{samples}"
+    raw["target"]["path"] = str(workdir / "models" / "tiny-llama")
+    raw["data"]["num_samples"] = samples
+    raw["extraction"]["samples_per_shard"] = SAMPLES_PER_SHARD
+    raw["training"].update({"epochs": 1, "ttt_length": 3, "batch_size": 8})
+    raw["storage"]["root"] = str(workdir / "runs")
+    return ExperimentConfig.from_dict(raw, check_environment=False)
+
+
+def _synthetic_conversations(config: Any, samples: int) -> Any:
+    """A synthesize-stage outcome holding `samples` conversations of varied length (seeded)."""
+    from draftloop.infra.conversations import CONVERSATIONS_SHARD_PREFIX, to_jsonl
+    from draftloop.infra.storage import DatasetWriter, join
+    from draftloop.tasks.cache import StageOutcome
+
+    rng = random.Random(0)
+    rows = []
+    for index in range(samples):
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16)))
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120)))
+        rows.append(
+            {
+                "id": f"s{index}",
+                "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                "reasoning": None,
+            }
+        )
+    uri = join(str(config.storage.root), "synthetic", str(samples))
+    writer = DatasetWriter(uri)
+    for number, start in enumerate(range(0, samples, ROWS_PER_CONVERSATION_SHARD)):
+        chunk = rows[start : start + ROWS_PER_CONVERSATION_SHARD]
+        writer.write_shard(
+            f"{CONVERSATIONS_SHARD_PREFIX}{number:05d}.jsonl", to_jsonl(chunk), rows=len(chunk)
+        )
+    manifest = writer.commit("synthesize", inputs={"synthetic": str(samples)})
+    return StageOutcome("synthesize", f"synthetic-{samples}", uri, manifest, cache_hit=False, seconds=0.0)
+
+
+def run_stage(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
+    """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train)."""
+    from draftloop.infra.actors import ensure_ray, shutdown_ray
+    from draftloop.tasks import extract, train
+
+    config = _config(workdir, samples)
+    conversations = _synthetic_conversations(config, samples)
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to start: too short on a loaded machine
+        try:
+            ensure_ray(config.ray.address)
+            break
+        except Exception:
+            shutdown_ray()
+            if attempt == 2:
+                raise
+    started = time.perf_counter()
+    hidden = extract.run(config, conversations)
+    if stage == "extract":
+        assert not hidden.cache_hit
+        outcome = hidden
+    else:
+        assert hidden.cache_hit, "run the extract stage first"
+        started = time.perf_counter()
+        outcome = train.run(config, hidden)
+        assert not outcome.cache_hit
+    seconds = time.perf_counter() - started
+    shutdown_ray()
+    return {"seconds": round(seconds, 1), "summary": outcome.manifest.summary}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def measure(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "DRAFTLOOP_STATE_DIR": str(workdir / "state"),
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DRAFTLOOP_RAY_LOG_TO_DRIVER": "0",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    result_path = workdir / f"{stage}-{samples}.json"
+    command = [
+        sys.executable,
+        __file__,
+        "--stage",
+        stage,
+        "--samples",
+        str(samples),
+        "--workdir",
+        str(workdir),
+    ]
+    command += ["--result", str(result_path)]
+    process = subprocess.Popen(command, env=env)
+    with TreeSampler(process.pid) as sampler:
+        code = process.wait()
+    if code != 0:
+        raise SystemExit(f"{stage} at {samples} samples failed (exit {code})")
+    return {**sampler.summary(), **json.loads(result_path.read_text())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--factor", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results-scale.json")
+    parser.add_argument("--stage", choices=("extract", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stage is not None:  # the measured driver process
+        args.result.write_text(json.dumps(run_stage(args.stage, args.workdir, args.samples)))
+        return
+
+    from draftloop.infra.zoo import create_tiny_model
+
+    sizes = (args.samples, args.samples * args.factor)
+    with tempfile.TemporaryDirectory(prefix="draftloop-scale-") as scratch:
+        workdir = Path(scratch)
+        create_tiny_model("tiny-llama", workdir / "models" / "tiny-llama", seed=0)
+        runs: dict[str, dict[str, Any]] = {}
+        for samples in sizes:
+            for stage in ("extract", "train"):
+                runs[f"{stage}_{samples}"] = measure(stage, workdir, samples)
+                print(f"{stage} {samples}: {json.dumps(runs[f'{stage}_{samples}'])}", flush=True)
+    small, large = sizes
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    record = {
+        **previous,
+        "memory": {
+            "machine": f"CPU, {os.cpu_count()} cores (shared)",
+            "target": "tiny-llama (zoo, seed 0)",
+            "samples": list(sizes),
+            "samples_per_shard": SAMPLES_PER_SHARD,
+            "training": "1 epoch, TTT 3, batch 8, 1 worker, shuffle window 8 shards, prefetch 2",
+            "peak_rss": "sum over the driver's process tree (Ray's processes, actors, workers) of VmHWM",
+            "runs": runs,
+        },
+        "extract_peak_rss_ratio_8x": round(
+            runs[f"extract_{large}"]["peak_rss_mib"] / runs[f"extract_{small}"]["peak_rss_mib"], 3
+        ),
+        "train_peak_rss_ratio_8x": round(
+            runs[f"train_{large}"]["peak_rss_mib"] / runs[f"train_{small}"]["peak_rss_mib"], 3
+        ),
+    }
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k.endswith("_8x")}))
+
+
+if __name__ == "__main__":
+    main()
