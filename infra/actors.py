@@ -20,7 +20,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftloop.infra.conversations import SynthesisResult, iter_conversations, split_reasoning
+from draftloop.infra.conversations import SynthesisResult, first_turns, iter_conversations, split_reasoning
 from draftloop.infra.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
@@ -157,7 +157,7 @@ class TargetGenerator:
         result = SynthesisResult()
         usable: list[tuple[dict[str, str], str, int]] = []
         for row in rows:
-            messages = [{"role": "user", "content": row["prompt"]}]
+            messages = first_turns(row)
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=False

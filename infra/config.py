@@ -56,6 +56,13 @@ class DataConfig(_Section):
     eval_prompts: int = Field(default=16, ge=1)
     max_length: int = Field(default=256, ge=8)
     chat_template: str = "auto"
+    # auto: each file's format from its rows; prompt {id, prompt}; sharegpt {conversations: [{from, value}]};
+    # openai {messages: [{role, content}]} (JSONL or parquet, local or S3; infra/datasets.py)
+    format: Literal["auto", "prompt", "sharegpt", "openai"] = "auto"
+    # skip: a bad row goes to rejected.jsonl (file, line, reason); fail: the first bad row ends the run
+    on_bad_row: Literal["skip", "fail"] = "skip"
+    # skipped rows beyond this share of all rows still end the run
+    max_rejected_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
 
 
 class SynthesisConfig(_Section):

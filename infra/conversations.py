@@ -46,21 +46,30 @@ class SynthesisResult:
     def reject(self, row_id: str, reason: str) -> None:
         self.rejected.append({"id": row_id, "reason": reason})
 
-    def add_answer(self, prompt: Mapping[str, str], content: str, reasoning: str | None) -> None:
-        """Keep the target's answer to `prompt` (`{"id", "prompt"}`); an empty answer is a rejection."""
+    def add_answer(self, prompt: Mapping[str, Any], content: str, reasoning: str | None) -> None:
+        """Keep the target's answer to `prompt` (an input row, infra/datasets.py) after its first user turn
+        (system turns kept); an empty answer is a rejection."""
         if not content:
             self.reject(prompt["id"], "empty answer")
             return
         self.conversations.append(
             {
                 "id": prompt["id"],
-                "messages": [
-                    {"role": "user", "content": prompt["prompt"]},
-                    {"role": "assistant", "content": content},
-                ],
+                "messages": [*first_turns(prompt), {"role": "assistant", "content": content}],
                 "reasoning": reasoning,
             }
         )
+
+
+def first_turns(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """An input row's turns up to its first user turn (system prompts included): what a one-turn
+    answer continues. A `{"id", "prompt"}` row is one user turn."""
+    turns: list[dict[str, str]] = []
+    for message in row.get("messages") or [{"role": "user", "content": row["prompt"]}]:
+        turns.append({"role": str(message["role"]), "content": str(message["content"])})
+        if message["role"] == "user":
+            break
+    return turns
 
 
 def to_jsonl(rows: Iterable[Mapping[str, Any]]) -> bytes:

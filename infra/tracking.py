@@ -12,7 +12,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +253,9 @@ class CycleResults:
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
             "speedup": {str(k): v for k, v in self.speedup.items()},
+    # Per concurrency: "ok", "inconclusive" (interval contains 1.0) or "measurement_error" (with why).
+    speedup_status: dict[int, str] = field(default_factory=dict)
+    recommended_k: int | None = None  # the k the evaluation recommends serving
             "throughput": {str(k): v for k, v in self.throughput.items()},
             "simulator_acceptance_rate": self.simulator_acceptance_rate,
             "consistent": self.consistent,
@@ -264,6 +267,8 @@ class CycleResults:
         return cls(
             acceptance_rate=data.get("acceptance_rate"),
             mean_acceptance_length=data.get("mean_acceptance_length"),
+            "speedup_status": {str(k): v for k, v in self.speedup_status.items()},
+            "recommended_k": self.recommended_k,
             per_position_acceptance=list(data.get("per_position_acceptance") or []),
             speedup={int(k): float(v) for k, v in (data.get("speedup") or {}).items()},
             throughput={int(k): float(v) for k, v in (data.get("throughput") or {}).items()},
@@ -277,6 +282,8 @@ class CycleResults:
 class GateDecision:
     passed: bool
     reasons: list[str]  # why it failed (empty when passed)
+            speedup_status={int(k): str(v) for k, v in (data.get("speedup_status") or {}).items()},
+            recommended_k=data.get("recommended_k"),
     notes: list[str]  # checks that were skipped, with why
 
     def to_dict(self) -> dict[str, Any]:
@@ -305,8 +312,12 @@ def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: floa
     if gate.require_consistency:
         if results.lossless is False:
             reasons.append("greedy outputs of the speculative server differ from the baseline's")
+        status = results.speedup_status.get(1, "ok")
         if results.consistent is None:
             reasons.append("engine/simulator consistency was not measured")
+        elif not status.startswith("ok"):
+            # Never promote on a flagged figure.
+            reasons.append(f"speedup at concurrency 1 ({speedup:.3f}x) is flagged: {status}")
         elif not results.consistent:
             reasons.append(
                 f"engine acceptance {results.acceptance_rate} disagrees with the simulator's "
@@ -334,8 +345,11 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def description_table(results: CycleResults, gate: GateDecision | None = None) -> str:
-    """The model version's description: a small markdown table of the results."""
+def description_table(
+    results: CycleResults, gate: GateDecision | None = None, serving_command: str | None = None
+) -> str:
+    """The model version's description: a small markdown table of the results, ending with the command
+    that serves the drafter at the recommended k."""
     lines = [
         "| metric | value |",
         "|---|---|",
@@ -351,7 +365,9 @@ def description_table(results: CycleResults, gate: GateDecision | None = None) -
         throughput = results.throughput.get(concurrency)
         lines.append(
             f"| speedup @ concurrency {concurrency} | {results.speedup[concurrency]:.3f}x"
-            + (f" ({throughput:.1f} tok/s) |" if throughput is not None else " |")
+            + (f" ({throughput:.1f} tok/s)" if throughput is not None else "")
+            + (f" {status}" if (status := results.speedup_status.get(concurrency, "ok")) != "ok" else "")
+            + " |"
         )
     if gate is not None:
         verdict = "passed" if gate.passed else "rejected: " + "; ".join(gate.reasons)
@@ -363,6 +379,8 @@ def description_table(results: CycleResults, gate: GateDecision | None = None) -
 class Registration:
     name: str
     version: str
+    if serving_command is not None:
+        lines += ["", f"Serve it (recommended k = {results.recommended_k}):", "", f"    {serving_command}"]
     champion: bool  # the `champion` alias now points at this version
     gate: GateDecision
     previous_champion: str | None
@@ -400,9 +418,11 @@ def register_drafter(
     """Create a model version from `<run artifacts>/<artifact_dir>` and move `champion` if the gate passes.
 
     The drafter folder must already be logged under `artifact_dir` in `run`. A version that fails the
-    gate is still registered (it is evidence), tagged `rejected` with the reasons.
+    gate is still registered (it is evidence), tagged `rejected` with the reasons. `serving_command(source)`:
+    the command that serves the drafter from the version's source (the description's last line).
     """
     client = tracker.client
+    serving_command: Callable[[str], str] | None = None,
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -415,11 +435,14 @@ def register_drafter(
     version_tags["acceptance_rate"] = str(results.acceptance_rate)
     version = client.create_model_version(
         name,
-        source=f"{run.artifact_uri}/{artifact_dir}",
+        source=source,
         run_id=run.run_id,
         tags=version_tags,
-        description=description_table(results, decision),
+        description=description_table(
+            results, decision, serving_command(source) if serving_command is not None else None
+        ),
     )
+    source = f"{run.artifact_uri}/{artifact_dir}"
     if decision.passed:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)
         client.set_model_version_tag(name, version.version, "gate", "passed")

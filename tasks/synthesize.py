@@ -9,6 +9,7 @@ answer. Rows that cannot be answered go to `rejected.jsonl` with a reason and ar
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import ray
 from prefect import task
@@ -22,10 +23,11 @@ from draftloop.infra.conversations import (
     SynthesisResult,
     to_jsonl,
 )
+from draftloop.infra.datasets import read_input_from_config
 from draftloop.infra.engine_actors import start_server_actor
 from draftloop.infra.engine_synthesis import regenerate_from_config, synthesis_engine
 from draftloop.infra.processes import PidRecord, state_dir
-from draftloop.infra.storage import DatasetWriter, Manifest, load_prompts, storage_options
+from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
 from draftloop.infra.targets import ensure_target
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
@@ -34,7 +36,7 @@ from draftloop.tasks.retry import stage_task_options
 SECTIONS = ("target", "data", "synthesis")
 ROWS_PER_SHARD = 1024
 
-PromptRow = dict[str, str]  # {"id", "prompt"}
+PromptRow = dict[str, Any]  # {"id", "prompt", "messages"?, "category"?} (infra/datasets.py)
 
 
 def split_prompts(config: ExperimentConfig, rows: list[PromptRow]) -> tuple[list[PromptRow], list[PromptRow]]:
@@ -94,11 +96,9 @@ def run(
 
     def body(work: StageWork) -> Manifest:
         options = storage_options(config)
+        input_data = read_input_from_config(config, options)  # bad data fails before the target is built
         target_path = ensure_target(config)
-        prompt_rows = [
-            {"id": row.id, "prompt": row.prompt} for row in load_prompts(str(config.data.prompts), options)
-        ]
-        train_prompts, eval_prompts = split_prompts(config, prompt_rows)
+        train_prompts, eval_prompts = split_prompts(config, input_data.rows)
         started = time.perf_counter()
         backend = str(config.synthesis.backend)
         if backend == "engine":
@@ -117,7 +117,9 @@ def run(
                 f"{CONVERSATIONS_SHARD_PREFIX}{index:05d}.jsonl", to_jsonl(chunk), rows=len(chunk)
             )
         writer.write_shard(EVAL_PROMPTS_SHARD, to_jsonl(eval_prompts), rows=len(eval_prompts))
-        writer.write_shard(REJECTED_SHARD, to_jsonl(result.rejected), rows=len(result.rejected))
+        # input rows set aside (file, line, reason) and prompts the target could not answer
+        rejected: list[dict[str, Any]] = [*input_data.rejected, *result.rejected]
+        writer.write_shard(REJECTED_SHARD, to_jsonl(rejected), rows=len(rejected))
         reasons: dict[str, int] = {}
         for row in result.rejected:
             kind = row["reason"].split(":")[0]  # "generation failed: <detail>" -> "generation failed"
@@ -127,7 +129,8 @@ def run(
             "target": target_path,
             "requested": len(train_prompts),
             "rows": len(rows),
-            "rejected": len(result.rejected),
+            **input_data.summary(),
+            "rejected": len(rejected),
             "rejected_reasons": reasons,
             "eval_prompts": len(eval_prompts),
             "with_reasoning": sum(1 for row in rows if row.get("reasoning")),

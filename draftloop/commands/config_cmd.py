@@ -8,6 +8,8 @@ from typing import Any
 import typer
 
 from draftloop.infra.config import ConfigError, ExperimentConfig, parse_override_value
+from draftloop.infra.datasets import DataError, read_input_from_config
+from draftloop.infra.storage import storage_options
 
 config_app = typer.Typer(help="Experiment configs: validate and show them resolved.", no_args_is_help=True)
 
@@ -39,9 +41,19 @@ def validate(
         [], "--set", help="Override a field: --set engine.num_speculative_tokens=5 (repeatable)."
     ),
 ) -> None:
-    """Validate FILE against its target, engine and storage; print the resolved config."""
+    """Validate FILE against its target, engine and storage, check every row of its data source (shapes
+    only, no model); print the resolved config, and what the data holds on stderr."""
     config = load_config_or_exit(file, set_options)
+    try:
+        data = read_input_from_config(config, storage_options(config))
+    except DataError as error:
+        typer.echo(f"data error: {error}", err=True)
+        raise typer.Exit(code=2) from None
     typer.echo(config.to_yaml(), nl=False)
+    formats = ", ".join(sorted(set(data.formats.values())))
+    typer.echo(f"data: {len(data.rows)} rows ({formats}), {len(data.rejected)} rejected", err=True)
+    for rejected in data.rejected[:5]:
+        typer.echo(f"  rejected {rejected['source']}:{rejected['where']}: {rejected['reason']}", err=True)
 
 
 def register(app: typer.Typer) -> None:

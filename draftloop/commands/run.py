@@ -77,15 +77,16 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 
 def bad_input_behind(error: BaseException) -> BaseException | None:
-    """The user-input error (a refused drafter/target pairing, an unreadable checkpoint) a stage failure
-    comes from, if any: the cycle then exits 2 with its one-line message."""
+    """The user-input error (a refused drafter/target pairing, an unreadable checkpoint, bad prompt data)
+    a stage failure comes from, if any: the cycle then exits 2 with its one-line message."""
+    from draftloop.infra.datasets import DataError
     from draftloop.infra.engines.base import EngineConfigError
     from draftloop.kernels.checkpoint import DrafterFormatError
 
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, EngineConfigError | DrafterFormatError):
+        if isinstance(current, EngineConfigError | DrafterFormatError | DataError):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__

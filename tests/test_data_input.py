@@ -1,0 +1,264 @@
+"""The prompt data users bring (infra/datasets.py): three formats as JSONL or parquet, local or S3, bad rows
+named by file, line and reason, set aside or fatal per `data.on_bad_row`, checked by `config validate`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from moto_s3 import moto_s3_server
+from typer.testing import CliRunner
+
+from draftloop.cli import app
+from draftloop.commands.run import bad_input_behind
+from draftloop.infra.conversations import SynthesisResult, first_turns
+from draftloop.infra.datasets import DataError, read_input
+from draftloop.infra.storage import storage_options, write_bytes_atomic
+from draftloop.tasks.cache import StageError
+
+TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.yaml"
+
+PROMPT_ROWS: list[dict[str, Any]] = [{"id": "p1", "prompt": "Say hi."}, {"id": 2, "prompt": "Count to 3.", "category": "math"}]
+SHAREGPT_ROWS: list[dict[str, Any]] = [
+    {
+        "id": "s1",
+        "conversations": [
+            {"from": "system", "value": "Be terse."},
+            {"from": "human", "value": "Name a color."},
+            {"from": "gpt", "value": "Red."},
+            {"from": "human", "value": "Another?"},
+        ],
+    },
+    {"id": "s2", "conversations": [{"from": "human", "value": "Hello?"}]},
+]
+OPENAI_ROWS: list[dict[str, Any]] = [
+    {
+        "id": "o1",
+        "messages": [
+            {"role": "system", "content": "You are a pirate."},
+            {"role": "user", "content": "Greet me."},
+        ],
+    },
+    {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]},
+]
+
+
+def _jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # a field absent from a row is null
+    pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), path)
+    return path
+
+
+def _lines(path: Path, *lines: bytes) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("writer", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+def test_prompt_format(tmp_path: Path, writer: Any) -> None:
+    # a parquet column has one type: string ids there; JSONL also takes integer ids
+    rows = PROMPT_ROWS if writer is _jsonl else [{**row, "id": str(row["id"])} for row in PROMPT_ROWS]
+    source = writer(tmp_path / f"p.{'jsonl' if writer is _jsonl else 'parquet'}", rows)
+    data = read_input(str(source))
+    assert data.rows == [
+        {"id": "p1", "prompt": "Say hi."},
+        {"id": "2", "prompt": "Count to 3.", "category": "math"},
+    ]
+    assert data.formats == {str(source): "prompt"} and data.rejected == []
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_sharegpt_format_keeps_system_and_turns(tmp_path: Path, suffix: str) -> None:
+    writer = _jsonl if suffix == "jsonl" else _parquet
+    source = writer(tmp_path / f"s.{suffix}", SHAREGPT_ROWS)
+    data = read_input(str(source))
+    assert data.formats == {str(source): "sharegpt"}
+    first, second = data.rows
+    assert first["prompt"] == "Name a color."
+    assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant", "user"]
+    assert first["messages"][0] == {"role": "system", "content": "Be terse."}
+    assert second == {"id": "s2", "prompt": "Hello?"}  # one user turn: a plain prompt
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_openai_format_keeps_system_prompt(tmp_path: Path, suffix: str) -> None:
+    rows = (
+        OPENAI_ROWS if suffix == "jsonl" else [{"id": "o1", **OPENAI_ROWS[0]}, {"id": "o2", **OPENAI_ROWS[1]}]
+    )
+    writer = _jsonl if suffix == "jsonl" else _parquet
+    source = writer(tmp_path / f"o.{suffix}", rows)
+    data = read_input(str(source), data_format="openai")
+    assert data.rows[0]["messages"][0] == {"role": "system", "content": "You are a pirate."}
+    assert data.rows[0]["prompt"] == "Greet me."
+    assert data.rows[1]["id"] == ("o-2" if suffix == "jsonl" else "o2")  # no id: file stem and line
+    # the one-turn (in-process) answer keeps the system prompt in the conversation it writes
+    assert first_turns(data.rows[0]) == data.rows[0]["messages"]
+    result = SynthesisResult()
+    result.add_answer(data.rows[0], "Ahoy!", None)
+    assert [m["role"] for m in result.conversations[0]["messages"]] == ["system", "user", "assistant"]
+
+
+def test_folder_of_mixed_formats_detected_per_file(tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _jsonl(folder / "a.jsonl", PROMPT_ROWS)
+    _parquet(folder / "b.parquet", SHAREGPT_ROWS)
+    _jsonl(folder / "c.jsonl", OPENAI_ROWS)
+    (folder / "notes.txt").write_text("ignored")
+    data = read_input(str(folder))
+    assert sorted(data.formats.values()) == ["openai", "prompt", "sharegpt"]
+    assert len(data.rows) == 6 and data.summary()["input_rows"] == 6
+
+
+def test_named_format_refuses_rows_of_another(tmp_path: Path) -> None:
+    source = _jsonl(tmp_path / "p.jsonl", PROMPT_ROWS)
+    with pytest.raises(DataError) as raised:
+        read_input(str(source), data_format="sharegpt", on_bad_row="fail")
+    assert str(raised.value) == (
+        f"{source}:line 1: 'conversations' is missing (sharegpt format: a list of turns)"
+    )
+
+
+def test_s3_jsonl_and_parquet(tmp_path: Path) -> None:
+    with moto_s3_server(buckets=("data",)) as endpoint:
+        options = storage_options(endpoint)
+        write_bytes_atomic("s3://data/in/a.jsonl", _as_bytes(PROMPT_ROWS), options)
+        _parquet(tmp_path / "b.parquet", OPENAI_ROWS[:1])
+        write_bytes_atomic("s3://data/in/b.parquet", (tmp_path / "b.parquet").read_bytes(), options)
+        single = read_input("s3://data/in/a.jsonl", options=options)
+        assert [row["id"] for row in single.rows] == ["p1", "2"]
+        both = read_input("s3://data/in", options=options)
+        assert sorted(both.formats.values()) == ["openai", "prompt"] and len(both.rows) == 3
+
+
+def _as_bytes(rows: list[Any]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+GOOD = b'{"id": "ok1", "prompt": "fine"}'
+BAD_ROWS = [
+    (b'{"id": "x", "prompt": "trunc', "invalid JSON: Unterminated string starting at (column 23)"),
+    (b'{"id": "x", "prompt": "caf\xe9"}', "invalid UTF-8 at column 27"),
+    (b'["a", "list"]', "expected a JSON object, got list"),
+    (b"42", "expected a JSON object, got int"),
+    (b'{"id": "x"}', "missing 'prompt' (prompt format)"),
+    (b'{"id": "x", "prompt": ""}', "'prompt' is empty (prompt format)"),
+    (b'{"id": "x", "prompt": "   "}', "'prompt' is empty (prompt format)"),
+    (b'{"id": "x", "prompt": null}', "'prompt' is null (prompt format)"),
+    (b'{"id": "x", "prompt": 7}', "'prompt' must be a string, got int (prompt format)"),
+    (b'{"id": null, "prompt": "p"}', "'id' must be a string or an integer"),
+    (b'{"id": "", "prompt": "p"}', "'id' is empty"),
+    (b'{"id": "ok1", "prompt": "again"}', "duplicate id 'ok1' (first at {source}:line 1)"),
+    (
+        b'{"id": "x", "messages": [{"role": "wizard", "content": "hi"}]}',
+        "unknown role 'wizard' in turn 1 (known: assistant, developer, system, user)",
+    ),
+    (
+        b'{"id": "x", "conversations": [{"from": "human"}]}',
+        "missing 'value' in turn 1",
+    ),
+    (
+        b'{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}',
+        "conversation has no user turn",
+    ),
+    (b'{"id": "x", "messages": []}', "'messages' is empty or not a list (openai format: a list of turns)"),
+    (b'{"id": "x", "messages": ["hi"]}', "turn 1 is not an object"),
+    (b'{"id": "x", "prompt": "p", "category": 3}', "'category' must be a string when given"),
+]
+
+
+@pytest.mark.parametrize(("line", "reason"), BAD_ROWS, ids=[r for _, r in BAD_ROWS])
+def test_bad_row_fails_with_file_line_and_reason(tmp_path: Path, line: bytes, reason: str) -> None:
+    # a file's format is detected from its first row: a conversation row stands alone in its file
+    if b"messages" in line or b"conversations" in line:
+        source, where = _lines(tmp_path / "in.jsonl", line), "line 1"
+    else:
+        source, where = _lines(tmp_path / "in.jsonl", GOOD, line), "line 2"
+    with pytest.raises(DataError) as raised:
+        read_input(str(source), on_bad_row="fail")
+    assert str(raised.value) == f"{source}:{where}: {reason.format(source=source)}"
+
+
+def test_mixed_corpus_keeps_every_valid_row(tmp_path: Path) -> None:
+    good = [json.dumps({"id": f"g{i}", "prompt": f"question {i}"}).encode() for i in range(40)]
+    bad = [line for line, _ in BAD_ROWS[:3]]
+    source = _lines(
+        tmp_path / "mixed.jsonl", *good[:10], bad[0], *good[10:25], b"", bad[1], *good[25:], bad[2]
+    )
+    data = read_input(str(source))  # 3 of 43 rejected: under the default fraction
+    assert [row["id"] for row in data.rows] == [f"g{i}" for i in range(40)]
+    assert [(r["where"], r["reason"].split(":")[0]) for r in data.rejected] == [
+        ("line 11", "invalid JSON"),
+        ("line 28", "invalid UTF-8 at column 27"),
+        ("line 44", "expected a JSON object, got list"),
+    ]
+    assert data.summary() == {
+        "input_rows": 43,
+        "input_accepted": 40,
+        "input_rejected": 3,
+        "input_formats": ["prompt"],
+    }
+    with pytest.raises(DataError) as raised:
+        read_input(str(source), max_rejected_fraction=0.05)
+    assert str(raised.value) == (
+        f"{source}: 3 of 43 rows rejected, more than data.max_rejected_fraction=0.05; first: "
+        f"{source}:line 11: {BAD_ROWS[0][1]}"
+    )
+
+
+def test_no_usable_row_and_missing_file(tmp_path: Path) -> None:
+    source = _lines(tmp_path / "bad.jsonl", b"not json")
+    with pytest.raises(DataError, match=r"holds no usable rows \(1 rejected; first: .*line 1: invalid JSON"):
+        read_input(str(source), max_rejected_fraction=1.0)
+    with pytest.raises(DataError, match="line 1: row has no 'prompt', 'messages' or 'conversations' field"):
+        read_input(str(_lines(tmp_path / "shapeless.jsonl", b'{"id": "x"}', GOOD)), on_bad_row="fail")
+    with pytest.raises(DataError, match=r"absent\.jsonl: no such file"):
+        read_input(str(tmp_path / "absent.jsonl"))
+
+
+def test_a_data_error_behind_a_stage_failure_is_a_user_error() -> None:
+    error = DataError("in.jsonl", "line 3", "invalid JSON")
+    try:
+        try:
+            raise error
+        except DataError as cause:
+            raise StageError("synthesize", "failed") from cause
+    except StageError as stage_error:
+        assert bad_input_behind(stage_error) is error
+
+
+def _validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *sets: str) -> tuple[int, str, str]:
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(TINY_LLAMA, tmp_path / "cfg.yaml")
+    args = ["config", "validate", "cfg.yaml", "--set", f"engine.python={sys.executable}"]
+    for item in sets:
+        args += ["--set", item]
+    result = CliRunner().invoke(app, args)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_config_validate_reads_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _lines(tmp_path / "in.jsonl", GOOD, b'{"id": "x", "prompt": "caf\xe9"}')
+    code, out, err = _validate(tmp_path, monkeypatch, f"data.prompts={source}", "data.on_bad_row=fail")
+    assert code == 2 and out == ""
+    assert err == f"data error: {source}:line 2: invalid UTF-8 at column 27\n"
+    assert "Traceback" not in err
+    code, out, err = _validate(
+        tmp_path, monkeypatch, f"data.prompts={source}", "data.max_rejected_fraction=0.5"
+    )
+    assert code == 0 and "prompts:" in out
+    assert err.splitlines() == [
+        "data: 1 rows (prompt), 1 rejected",
+        f"  rejected {source}:line 2: invalid UTF-8 at column 27",
+    ]
