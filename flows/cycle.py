@@ -111,7 +111,10 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "total_seconds": round(time.perf_counter() - started, 3),
         "run_folder": ctx.run_uri,
     }
+        "speedup_status": results.get("speedup_status"),
 
+        "recommended_k": results.get("recommended_k"),
+        "k_sweep": evaluation.manifest.summary.get("k_sweep") if evaluation else None,
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     lines = [

@@ -169,7 +169,37 @@ class EvaluationConfig(_Section):
     max_tokens: int = Field(default=64, ge=1)
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
     acceptance_tolerance: float = Field(default=0.05, ge=0)
+    # Benchmark method (infra/evaluation/benchmark.py BenchmarkPlan): after warm-up, each level repeats
+    # `repeats` times, each repeat running until `min_output_tokens` and `min_seconds` (small CPU defaults).
+    repeats: int = Field(default=3, ge=1)
+    min_output_tokens: int = Field(default=128, ge=0)
+    min_seconds: float = Field(default=0.5, ge=0)
+    warmup_rounds: int = Field(default=1, ge=0)
+    # Physical bounds: a speedup above the mean acceptance length x (1 + this) is a measurement error,
+    # and so is a level whose duration is off its own TTFT/TPOT prediction by more than this factor.
+    speedup_bound_tolerance: float = Field(default=0.1, ge=0)
+    throughput_consistency_factor: float = Field(default=2.0, gt=1)
+    # Open loop (off when empty): Poisson arrivals at these requests/s; goodput under `tpot_target_s`.
+    request_rates: list[float] = Field(default_factory=list)
+    open_loop_requests: int = Field(default=16, ge=1)
+    tpot_target_s: float | None = Field(default=None, gt=0)
+    # k values served and measured (None = just engine.num_speculative_tokens; that k is always included).
+    speculative_tokens_sweep: list[int] | None = None
     gate: GateConfig = Field(default_factory=GateConfig)
+
+    @field_validator("speculative_tokens_sweep")
+    @classmethod
+    def _positive_ks(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(k < 1 for k in value)):
+            raise ValueError("speculative_tokens_sweep must be a non-empty list of integers >= 1 (or null)")
+        return value
+
+    @field_validator("request_rates")
+    @classmethod
+    def _positive_rates(cls, value: list[float]) -> list[float]:
+        if any(rate <= 0 for rate in value):
+            raise ValueError("request_rates must be > 0 (requests per second)")
+        return value
 
     @field_validator("concurrency")
     @classmethod

@@ -102,14 +102,14 @@ def server_starter(
     engine: Engine,
     target_path: str | Path,
     run_dir: Path,
-    num_speculative_tokens: int,
     pids: PidRecord | None = None,
     **actor_options: Any,
-) -> Callable[[str, Path | None], contextlib.AbstractContextManager[ServerProxy]]:
-    """evaluation's `start_server(name, drafter_dir)`: each server in its own actor, stopped on exit."""
+) -> Callable[[str, Path | None, int | None], contextlib.AbstractContextManager[ServerProxy]]:
+    """evaluation's `start_server(name, drafter_dir, num_speculative_tokens)`: each server in its own
+    actor, stopped on exit."""
 
     @contextlib.contextmanager
-    def start(name: str, drafter_dir: Path | None) -> Iterator[ServerProxy]:
+    def start(name: str, drafter_dir: Path | None, num_speculative_tokens: int | None) -> Iterator[ServerProxy]:
         server = start_server_actor(
             engine, target_path, run_dir, name, drafter_dir, num_speculative_tokens, pids, **actor_options
         )

@@ -51,6 +51,15 @@ def results_from_report(report: dict[str, Any]) -> dict[str, Any]:
         simulator_acceptance_rate=simulator.get("acceptance_rate"),
         consistent=(gap is not None and gap <= tolerance) if simulator else None,
         lossless=bool(report.get("lossless")),
+        speedup_status={
+            int(level["concurrency"]): (
+                level["status"]
+                if level["status"] == "ok"
+                else f"{level['status']}: {'; '.join(level['reasons'])}"
+            )
+            for level in report.get("speedup_levels") or []
+        },
+        recommended_k=report.get("serving_k"),
     )
     return results.to_dict()
 
@@ -60,14 +69,29 @@ def _level_metrics(report: dict[str, Any]) -> dict[str, float]:
     for run in ("baseline", "speculative"):
         for level in report[run]["levels"]:
             prefix = f"{run}.c{level['concurrency']}"
-            for key in ("output_tokens_per_s", "ttft_mean_s", "tpot_mean_s", "ttft_p50_s", "tpot_p50_s"):
-                if level.get(key) is not None:
-                    metrics[f"{prefix}.{key}"] = float(level[key])
+            metrics[f"{prefix}.output_tokens_per_s"] = float(level["output_tokens_per_s"])
+            for figure in ("throughput", "ttft_s", "tpot_s", "itl_s"):
+                for statistic, value in (level.get(figure) or {}).items():
+                    if value is not None:
+                        metrics[f"{prefix}.{figure}.{statistic}"] = float(value)
         if report[run].get("startup_s") is not None:
             metrics[f"{run}.startup_s"] = float(report[run]["startup_s"])
-    for concurrency, value in (report.get("speedup") or {}).items():
-        if value is not None:
-            metrics[f"speedup.c{concurrency}"] = float(value)
+    for entry in report.get("k_sweep") or []:
+        for level in entry["levels"]:
+            for key in ("speedup", "low", "high"):
+                if level.get(key) is not None:
+                    metrics[f"k{entry['k']}.speedup.c{level['concurrency']}.{key}"] = float(level[key])
+        for key in ("predicted_mean_acceptance_length", "measured_mean_acceptance_length"):
+            if entry.get(key) is not None:
+                metrics[f"k{entry['k']}.{key}"] = float(entry[key])
+    for level in report.get("speedup_levels") or []:
+        if level.get("speedup") is not None:
+            metrics[f"speedup.c{level['concurrency']}"] = float(level["speedup"])
+    for category, figures in (report.get("category_acceptance") or {}).items():
+        for source in ("simulator", "engine"):
+            for key, value in (figures.get(source) or {}).items():
+                if value is not None:
+                    metrics[f"category.{category}.{source}.{key}"] = float(value)
     acceptance = report.get("engine_acceptance") or {}
     for key in ("acceptance_rate", "mean_acceptance_length"):
         if acceptance.get(key) is not None:
@@ -100,15 +124,22 @@ def run(
         drafter_dir = download_shards(
             drafter.manifest, run_dir / "drafter", drafter.manifest.summary["drafter_files"], options
         )
-        prompts = [row["prompt"] for row in read_eval_prompts(conversations.manifest, options)]
+        rows = read_eval_prompts(conversations.manifest, options)
+        prompts = [row["prompt"] for row in rows]
+        categories = [row.get("category") or "uncategorized" for row in rows]
         engine = get_engine(config.engine.kind, config.engine.settings())
         ensure_ray(config.ray.address)
-        start_server = server_starter(
-            engine, target_path, run_dir, int(config.engine.num_speculative_tokens), pids
-        )
+        start_server = server_starter(engine, target_path, run_dir, pids)
         try:
             report = evaluate_from_config(
-                config, engine, Path(target_path), drafter_dir, prompts, run_dir, start_server=start_server
+                config,
+                engine,
+                Path(target_path),
+                drafter_dir,
+                prompts,
+                run_dir,
+                start_server=start_server,
+                categories=categories,
             )
         finally:
             if stage_run is not None:  # engine logs, also (above all) when the evaluation failed
@@ -136,6 +167,13 @@ def run(
             "num_speculative_tokens": data["num_speculative_tokens"],
             "engine_layer_ids": data.get("engine_layer_ids"),
             "startup_s": {name: data[name].get("startup_s") for name in ("baseline", "speculative")},
+            "speedup_levels": data["speedup_levels"],
+            "k_sweep": [
+                {key: value for key, value in entry.items() if key != "server"} for entry in data["k_sweep"]
+            ],
+            "recommended_k": data["recommended_k"],
+            "serving_k": data["serving_k"],
+            "category_acceptance": data["category_acceptance"],
         }
         return writer.commit("evaluate", inputs=work.inputs, summary=summary)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import task
 
 from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.engines.base import get_engine
 from draftloop.infra.storage import DatasetWriter, Manifest, download_shards, storage_options
 from draftloop.infra.tracking import CycleResults, StageRun, Tracker, register_drafter
 from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
@@ -18,6 +19,16 @@ from draftloop.tasks.retry import stage_task_options
 # config.name is part of the stage folder already (tasks/cache.py stage_uri).
 SECTIONS = ("tracking", "evaluation")
 REGISTRATION_SHARD = "registration.json"
+
+
+def serving_command(config: ExperimentConfig, drafter_source: str, recommended_k: int | None) -> str:
+    """The command serving the target with the registered drafter at the evaluation's recommended k
+    (the engine's own k when none was recommended), in the config's engine."""
+    engine = get_engine(config.engine.kind, config.engine.settings())
+    drafter = drafter_source.removeprefix("file://")  # a local artifact store: the folder itself
+    k = int(recommended_k or config.engine.num_speculative_tokens)
+    target = Path(config.target.path)
+    return engine.user_serving_command(str(target.resolve()) if target.exists() else str(target), drafter, k)
 
 
 def run(
@@ -63,6 +74,7 @@ def run(
             config.evaluation.gate,
             results,
             tags,
+            serving_command=lambda source: serving_command(config, source, results.recommended_k),
         )
         writer = DatasetWriter(work.uri, storage_options=options)
         payload = registration.to_dict()

@@ -55,6 +55,9 @@ class FakeEngine(Engine):
             argv.append("--speculative")
         return argv + list(self.settings.extra_args)
 
+    def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
+        return f"fake-serve {target} --drafter {drafter} --k {num_speculative_tokens}"
+
     def export_config(self, exported_ids: LayerIds) -> dict[str, Any]:
         return {"fake_engine": {"aux_layer_ids": list(exported_ids.ids)}}
 

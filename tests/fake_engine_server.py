@@ -5,6 +5,7 @@ Speaks the parts of the OpenAI HTTP surface draftloop uses: /health, /v1/models,
 deterministic in the prompt, so two fake servers agree (lossless) unless --perturb is given.
 
 Modes: ok | fatal (logs a fatal line, then hangs) | exit (dies during start-up) | slow (never ready).
+--first-request-delay S: the first completion waits S seconds (a server's warm-up: compilation, caches).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 COUNTERS: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": [0.0, 0.0, 0.0]}
+WARM = threading.Event()  # set once the first completion has paid --first-request-delay
 LOCK = threading.Lock()
 
 
@@ -92,6 +94,11 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": "not found"})
                 return
             words = generate(list(body["prompt"]), max_tokens)
+            with LOCK:
+                cold = not WARM.is_set()
+                WARM.set()
+            if cold:
+                time.sleep(args.first_request_delay)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -118,6 +125,7 @@ def main() -> None:
     parser.add_argument("--perturb", type=int, default=0)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--startup-delay", type=float, default=0.5)
+    parser.add_argument("--first-request-delay", type=float, default=0.0)
     args = parser.parse_args()
     print("INFO: fake engine starting", flush=True)
     time.sleep(args.startup_delay)

@@ -29,7 +29,7 @@ from draftloop.infra.engines.base import get_engine
 from draftloop.infra.engines.doctor import run_doctor
 from draftloop.infra.engines.pairing import DrafterPairingError
 from draftloop.infra.engines.server import EngineServer, EngineStartError
-from draftloop.infra.evaluation.benchmark import benchmark_server
+from draftloop.infra.evaluation.benchmark import BenchmarkPlan, benchmark_server
 from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts
@@ -57,7 +57,7 @@ def _evaluate_pair(pair: Any, root: Path) -> tuple[Path, SimulatorFigures, EvalR
     engine = get_engine("vllm", vllm_settings())
     report = evaluate(
         engine, pair.target_dir, drafter_dir, pair.held_out_prompts, root / "eval",
-        max_tokens=MAX_TOKENS, concurrency=CONCURRENCY, num_speculative_tokens=K,
+        plan=BenchmarkPlan(max_tokens=MAX_TOKENS), concurrency=CONCURRENCY, num_speculative_tokens=K,
         acceptance_tolerance=TOLERANCE, simulator=simulator,
     )  # fmt: skip
     print(
@@ -120,7 +120,7 @@ def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path
     assert doctor["layer_ids"]["trained_layer_input_ids"] == [1, 3, 5]
     report = evaluate(
         engine, pair.target_dir, shifted, pair.held_out_prompts, tmp_path / "eval",
-        max_tokens=MAX_TOKENS, concurrency=[1], num_speculative_tokens=K,
+        plan=BenchmarkPlan(max_tokens=MAX_TOKENS), concurrency=[1], num_speculative_tokens=K,
         acceptance_tolerance=TOLERANCE, simulator=simulator, baseline=good.baseline,
     )  # fmt: skip
     acceptance = report.engine_acceptance
@@ -147,7 +147,7 @@ def test_standard_attention_drafter_on_mla_target_refused_before_startup(
     with pytest.raises(DrafterPairingError) as info:
         evaluate(
             get_engine("vllm", vllm_settings()), pair.target_dir, drafter_dir, ["hi"], tmp_path / "eval",
-            max_tokens=4, concurrency=[1],
+            plan=BenchmarkPlan(max_tokens=4), concurrency=[1],
         )  # fmt: skip
     assert time.monotonic() - started < 10  # refused, not started
     assert "No common block size" in str(info.value) and "Eagle3DeepseekV2ForCausalLM" in str(info.value)
@@ -178,7 +178,9 @@ def test_architecture_without_eagle3_served_after_plugin_patch(
     server = EngineServer(engine, tiny_stablelm_dir, tmp_path / "run", name="speculative",
                           drafter_dir=drafter_dir, num_speculative_tokens=K)  # fmt: skip
     with server:
-        run = benchmark_server(server, engine, prompt_ids, [1], 16, name="speculative")
+        run = benchmark_server(
+            server, engine, prompt_ids, [1], BenchmarkPlan(max_tokens=16), name="speculative"
+        )
     print(f"\n[stablelm] startup {server.startup_s:.1f}s counters {run.levels[0].counters}")
     counters = run.levels[0].counters
     assert counters is not None and counters["num_drafts"] > 0

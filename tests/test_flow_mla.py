@@ -21,7 +21,7 @@ from fixtures_flow import REPO_ROOT, VLLM_PYTHON, FlowEnv, run_cycle_in_process
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.conversations import read_eval_prompts
 from draftloop.infra.engines.base import EngineConfigError, get_engine
-from draftloop.infra.evaluation.benchmark import ServerRun
+from draftloop.infra.evaluation.benchmark import BenchmarkPlan, ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
 from draftloop.infra.storage import read_manifest, read_shard, storage_options
@@ -107,7 +107,7 @@ def test_mla_drafter_exported_off_by_one_is_an_integration_fault(mla_cycle: MlaC
     try:
         faulty = evaluate(
             engine, Path(report["target"]), shifted, prompts, tmp_path / "eval",
-            max_tokens=report["max_tokens"], concurrency=[1],
+            plan=BenchmarkPlan(max_tokens=report["max_tokens"]), concurrency=[1],
             num_speculative_tokens=report["num_speculative_tokens"],
             acceptance_tolerance=report["acceptance_tolerance"],
             baseline=ServerRun.from_json(report["baseline"]),

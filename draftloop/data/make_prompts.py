@@ -6,7 +6,8 @@ The output is committed; this script documents how it was made and rebuilds it b
 
 Prompts are varied on purpose (explanations, how-tos, comparisons, lists, code, math, rewriting,
 translation, summaries) so the tiny zoo tokenizers see diverse text and evaluation prompts are not
-near-duplicates of training prompts.
+near-duplicates of training prompts. Each row carries the `category` of its template (chat, code, math,
+reasoning, rewriting, summarization, translation, writing): evaluation reports acceptance per category.
 """
 
 from __future__ import annotations
@@ -174,33 +175,34 @@ def _math_prompt(rng: random.Random) -> str:
     return rng.choice(forms)
 
 
-def _prompt(rng: random.Random) -> str:
+def _prompt(rng: random.Random) -> tuple[str, str]:
+    """(category, prompt text): the category is the template's kind of task, for per-category acceptance."""
     topic = rng.choice(TOPICS)
     kind = rng.randrange(12)
     if kind == 0:
-        return f"Explain {topic} to {rng.choice(AUDIENCES)}."
+        return "chat", f"Explain {topic} to {rng.choice(AUDIENCES)}."
     if kind == 1:
-        return f"What are the three most important facts about {topic}?"
+        return "chat", f"What are the three most important facts about {topic}?"
     if kind == 2:
         other = rng.choice([t for t in TOPICS if t != topic])
-        return f"Compare {topic} and {other} in a short paragraph."
+        return "reasoning", f"Compare {topic} and {other} in a short paragraph."
     if kind == 3:
-        return f"Write a short story about {rng.choice(STORY_SUBJECTS)}."
+        return "writing", f"Write a short story about {rng.choice(STORY_SUBJECTS)}."
     if kind == 4:
-        return f"Write a {rng.choice(CODE_LANGUAGES)} function that {rng.choice(CODE_TASKS)}."
+        return "code", f"Write a {rng.choice(CODE_LANGUAGES)} function that {rng.choice(CODE_TASKS)}."
     if kind == 5:
-        return _math_prompt(rng)
+        return "math", _math_prompt(rng)
     if kind == 6:
-        return f"Translate into {rng.choice(LANGUAGES)}: {rng.choice(SENTENCES)}"
+        return "translation", f"Translate into {rng.choice(LANGUAGES)}: {rng.choice(SENTENCES)}"
     if kind == 7:
-        return f"Rewrite this sentence in a more formal tone: {rng.choice(SENTENCES)}"
+        return "rewriting", f"Rewrite this sentence in a more formal tone: {rng.choice(SENTENCES)}"
     if kind == 8:
-        return f"List {rng.randint(3, 7)} {rng.choice(THINGS)} and one interesting fact about each."
+        return "chat", f"List {rng.randint(3, 7)} {rng.choice(THINGS)} and one interesting fact about each."
     if kind == 9:
-        return f"Give me step-by-step advice on {topic}."
+        return "chat", f"Give me step-by-step advice on {topic}."
     if kind == 10:
-        return f"Summarize the history of {topic} in {rng.randint(2, 5)} sentences."
-    return f"What is a common misconception about {topic}, and what is the truth?"
+        return "summarization", f"Summarize the history of {topic} in {rng.randint(2, 5)} sentences."
+    return "reasoning", f"What is a common misconception about {topic}, and what is the truth?"
 
 
 def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = SEED) -> list[dict[str, str]]:
@@ -209,11 +211,11 @@ def make_prompts(num_prompts: int = NUM_PROMPTS, seed: int = SEED) -> list[dict[
     seen: set[str] = set()
     rows: list[dict[str, str]] = []
     while len(rows) < num_prompts:
-        text = _prompt(rng)
+        category, text = _prompt(rng)
         if text in seen:
             continue
         seen.add(text)
-        rows.append({"id": f"builtin-{len(rows):04d}", "prompt": text})
+        rows.append({"id": f"builtin-{len(rows):04d}", "prompt": text, "category": category})
     return rows
 
 

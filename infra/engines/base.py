@@ -171,6 +171,11 @@ class Engine(ABC):
     def server_command(self, spec: ServerSpec) -> list[str]:
         """argv of the server: baseline when `spec.drafter_dir` is None, speculative otherwise."""
 
+    @abstractmethod
+    def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
+        """The shell command a user runs to serve `target` with `drafter` at k speculative tokens
+        (the last line of a registered drafter's description)."""
+
     def process_env(self, run_dir: Path) -> dict[str, str]:
         """The server process's whole environment: ours, the engine's, then the config's `engine.env`."""
         env = dict(os.environ)

@@ -14,6 +14,7 @@ Differences from vLLM that matter to draftloop:
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,14 @@ class SglangEngine(Engine):
             ]
         argv += list(s.extra_args)
         return argv
+
+    def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
+        k = num_speculative_tokens
+        argv = ["python", "-m", "sglang.launch_server", "--model-path", target]
+        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter]
+        argv += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1"]
+        argv += ["--speculative-num-draft-tokens", str(k + 1)]  # the verified root counts: k + 1
+        return shlex.join(argv)
 
     def export_config(self, exported_ids: LayerIds) -> dict[str, Any]:
         return {

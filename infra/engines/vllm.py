@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,10 @@ class VllmEngine(Engine):
             argv += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
         argv += list(s.extra_args)
         return argv
+
+    def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
+        speculative = {"method": "eagle3", "model": drafter, "num_speculative_tokens": num_speculative_tokens}
+        return shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(speculative)])
 
     def doctor_command(self, target_dir: Path, drafter_dir: Path | None) -> list[str]:
         # Shipped with draftloop's plugin in the engine environment; it imports vLLM only.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ class RequestResult:
     response_counters: SpecCounters | None = None
     token_logprobs: TokenLogprobs = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # empty when the engine does not return them
+    itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks with text
 
     @property
     def tpot_s(self) -> float | None:
@@ -45,19 +47,107 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of `values`, linearly interpolated; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread(per_repeat: Sequence[float | None], pooled: Sequence[float] = ()) -> dict[str, float | None]:
+    """median / min / max over the repeats' values; p50 / p90 / p99 over the pooled per-request values."""
+    values = [v for v in per_repeat if v is not None]
+    figure: dict[str, float | None] = {
+        "median": statistics.median(values) if values else None,
+        "min": min(values) if values else None,
+        "max": max(values) if values else None,
+    }
+    if pooled:
+        figure.update(p50=percentile(pooled, 50), p90=percentile(pooled, 90), p99=percentile(pooled, 99))
+    return figure
+
+
+@dataclass
+class RepeatResult:
+    """One measured pass of a level: requests issued until its minimum tokens and seconds were reached."""
+
+    num_requests: int
+    output_tokens: int
+    duration_s: float
+    output_tokens_per_s: float
+    errors: int
+    ttft_p50_s: float | None
+    tpot_p50_s: float | None
+    itl_p50_s: float | None
+
+
 @dataclass
 class ConcurrencyResult:
+    """One concurrency level over its repeats. `output_tokens_per_s` is the median over the repeats;
+    `throughput`, `ttft_s`, `tpot_s`, `itl_s` are spread() figures (repeat median/min/max; latencies
+    also p50/p90/p99 over every request of every repeat)."""
+
     concurrency: int
     num_requests: int
     output_tokens: int
     duration_s: float
     output_tokens_per_s: float
-    ttft_mean_s: float | None
-    ttft_p50_s: float | None
-    tpot_mean_s: float | None
-    tpot_p50_s: float | None
     errors: int
+    repeats: list[RepeatResult]
+    throughput: dict[str, float | None]
+    ttft_s: dict[str, float | None]
+    tpot_s: dict[str, float | None]
+    itl_s: dict[str, float | None]
     counters: dict[str, Any] | None = None  # SpecCounters.to_json() of this level (speculative only)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConcurrencyResult:
+        values = dict(data)
+        values["repeats"] = [RepeatResult(**repeat) for repeat in data.get("repeats") or []]
+        return cls(**values)
+
+
+@dataclass
+class OpenLoopResult:
+    """Poisson arrivals at `request_rate` requests/s; goodput counts the requests within the TPOT target."""
+
+    request_rate: float
+    num_requests: int
+    duration_s: float
+    output_tokens_per_s: float
+    tpot_target_s: float | None
+    goodput_requests_per_s: float | None
+    ttft_s: dict[str, float | None]
+    tpot_s: dict[str, float | None]
+    errors: int
+
+
+@dataclass
+class BenchmarkPlan:
+    """How a server is measured (the same plan for baseline and speculative servers).
+
+    Before anything is measured, `warmup_rounds` rounds of discarded requests at every concurrency level
+    (so every batch shape the sweep uses has been run once: first-request compilation, caches, allocator).
+    Each level then repeats `repeats` times; a repeat issues requests (prompts cycled) until it has at
+    least `min_output_tokens` output tokens, lasted `min_seconds`, and sent at least `concurrency` requests
+    (the reference level's first repeat sends every prompt once: the per-prompt records).
+    `request_rates`: open-loop rates (requests/s) measured after the levels, `open_loop_requests` each.
+    """
+
+    max_tokens: int
+    repeats: int = 3
+    min_output_tokens: int = 0
+    min_seconds: float = 0.0
+    warmup_rounds: int = 1
+    request_rates: Sequence[float] = ()
+    open_loop_requests: int = 16
+    tpot_target_s: float | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -76,13 +166,16 @@ class ServerRun:
     # Per prompt: SpecCounters.to_json() of its request, for engines that report counters per response.
     output_counters: list[dict[str, Any] | None] = field(default_factory=list)
     reference_concurrency: int | None = None
+    open_loop: list[OpenLoopResult] = field(default_factory=list)
+    warmup_requests: int = 0  # discarded before the first measured level
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServerRun:
         """A ServerRun from its EvalReport JSON (to reuse a measured baseline)."""
         known = {f.name for f in fields(cls)}
         values = {key: value for key, value in data.items() if key in known}
-        values["levels"] = [ConcurrencyResult(**level) for level in data.get("levels") or []]
+        values["levels"] = [ConcurrencyResult.from_json(level) for level in data.get("levels") or []]
+        values["open_loop"] = [OpenLoopResult(**rate) for rate in data.get("open_loop") or []]
         values["output_logprobs"] = [
             [(str(token), dict(top)) for token, top in prompt] for prompt in data.get("output_logprobs") or []
         ]
@@ -119,14 +212,6 @@ class ServerHandle(Protocol):
     def metrics_text(self) -> str: ...
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 async def _one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -136,6 +221,8 @@ async def _one_request(
 ) -> RequestResult:
     started = time.perf_counter()
     first: float | None = None
+    last_chunk: float | None = None
+    gaps: list[float] = []
     pieces: list[str] = []
     usage_tokens: int | None = None
     chunks_with_text = 0
@@ -159,8 +246,12 @@ async def _one_request(
                 for choice in chunk.get("choices") or []:
                     text = choice.get("text") or ""
                     if text:
+                        now = time.perf_counter() - started
                         if first is None:
-                            first = time.perf_counter() - started
+                            first = now
+                        else:
+                            gaps.append(now - (last_chunk or now))
+                        last_chunk = now
                         pieces.append(text)
                         chunks_with_text += 1
                     token_logprobs.extend(_choice_logprobs(choice))
@@ -176,7 +267,7 @@ async def _one_request(
     tokens = usage_tokens if usage_tokens is not None else chunks_with_text
     latency = time.perf_counter() - started
     return RequestResult(
-        index, "".join(pieces), tokens, first, latency, None, counters, token_logprobs, token_ids
+        index, "".join(pieces), tokens, first, latency, None, counters, token_logprobs, token_ids, gaps
     )
 
 
@@ -193,39 +284,130 @@ def _choice_logprobs(choice: Mapping[str, Any]) -> TokenLogprobs:
     ]
 
 
-async def _run_level(
-    base_url: str,
-    model: str,
+class _Client:
+    """Request bodies and one HTTP client for a server (greedy, streamed, top-2 logprobs)."""
+
+    def __init__(
+        self, base_url: str, model: str, engine: Engine, max_tokens: int, timeout_s: float, width: int
+    ):
+        self.url = base_url + "/v1/completions"
+        self.model = model
+        self.engine = engine
+        self.max_tokens = max_tokens
+        limits = httpx.Limits(max_connections=width + 2, max_keepalive_connections=width + 2)
+        self.http = httpx.AsyncClient(timeout=timeout_s, limits=limits)
+
+    async def send(self, index: int, ids: Sequence[int]) -> RequestResult:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(ids),
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": 2,  # top-2 per token: tells a numerical tie from a real loss
+            **self.engine.request_extras(),
+        }
+        return await _one_request(self.http, self.url, body, index, self.engine)
+
+
+async def _closed_loop(
+    client: _Client,
     prompt_ids: Sequence[Sequence[int]],
     concurrency: int,
-    max_tokens: int,
-    engine: Engine,
-    timeout_s: float,
+    *,
+    min_requests: int,
+    min_output_tokens: int,
+    min_seconds: float,
 ) -> tuple[list[RequestResult], float]:
-    semaphore = asyncio.Semaphore(concurrency)
-    url = base_url + "/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    """`concurrency` workers each send one request after another (prompts cycled in order) until the
+    repeat has sent `min_requests`, received `min_output_tokens` and lasted `min_seconds`."""
+    results: list[RequestResult] = []
+    issued = 0
+    received = 0
+    started = time.perf_counter()
 
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    def done() -> bool:
+        return (
+            issued >= min_requests
+            and received >= min_output_tokens
+            and time.perf_counter() - started >= min_seconds
+        )
 
-        async def bounded(index: int, ids: Sequence[int]) -> RequestResult:
-            body: dict[str, Any] = {
-                "model": model,
-                "prompt": list(ids),
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "logprobs": 2,  # top-2 per token: tells a numerical tie from a real loss
-                **engine.request_extras(),
-            }
-            async with semaphore:
-                return await _one_request(client, url, body, index, engine)
+    async def worker() -> None:
+        nonlocal issued, received
+        while not done():
+            index = issued
+            issued += 1
+            result = await client.send(index, prompt_ids[index % len(prompt_ids)])
+            results.append(result)
+            received += result.output_tokens
+            if result.error is not None and result.output_tokens == 0 and issued >= min_requests:
+                return  # a failing server: do not spin until min_seconds
 
-        started = time.perf_counter()
-        results = await asyncio.gather(*(bounded(i, ids) for i, ids in enumerate(prompt_ids)))
-        duration = time.perf_counter() - started
-    return list(results), duration
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(results, key=lambda r: r.index), time.perf_counter() - started
+
+
+async def _open_loop(
+    client: _Client, prompt_ids: Sequence[Sequence[int]], rate: float, count: int, seed: int
+) -> tuple[list[RequestResult], float]:
+    """`count` requests with exponential inter-arrival gaps of mean 1 / `rate` (a Poisson process)."""
+    arrivals = random.Random(seed)
+    started = time.perf_counter()
+    tasks = []
+    for index in range(count):
+        tasks.append(asyncio.create_task(client.send(index, prompt_ids[index % len(prompt_ids)])))
+        await asyncio.sleep(arrivals.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - started
+
+
+def _repeat_figures(results: Sequence[RequestResult], duration: float) -> RepeatResult:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.output_tokens for r in ok)
+    return RepeatResult(
+        num_requests=len(results),
+        output_tokens=tokens,
+        duration_s=duration,
+        output_tokens_per_s=tokens / duration if duration > 0 else 0.0,
+        errors=len(results) - len(ok),
+        ttft_p50_s=percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50),
+        tpot_p50_s=percentile([t for r in ok if (t := r.tpot_s) is not None], 50),
+        itl_p50_s=percentile([gap for r in ok for gap in r.itl_s], 50),
+    )
+
+
+def _level_result(
+    concurrency: int, repeats: Sequence[tuple[list[RequestResult], float]], counters: SpecCounters | None
+) -> ConcurrencyResult:
+    figures = [_repeat_figures(results, duration) for results, duration in repeats]
+    ok = [r for results, _ in repeats for r in results if r.error is None]
+    throughput = spread([f.output_tokens_per_s for f in figures])
+    return ConcurrencyResult(
+        concurrency=concurrency,
+        num_requests=sum(f.num_requests for f in figures),
+        output_tokens=sum(f.output_tokens for f in figures),
+        duration_s=sum(f.duration_s for f in figures),
+        output_tokens_per_s=float(throughput["median"] or 0.0),
+        errors=sum(f.errors for f in figures),
+        repeats=figures,
+        throughput=throughput,
+        ttft_s=spread([f.ttft_p50_s for f in figures], [r.ttft_s for r in ok if r.ttft_s is not None]),
+        tpot_s=spread([f.tpot_p50_s for f in figures], [t for r in ok if (t := r.tpot_s) is not None]),
+        itl_s=spread([f.itl_p50_s for f in figures], [gap for r in ok for gap in r.itl_s]),
+        counters=counters.to_json() if counters is not None and counters.num_drafts > 0 else None,
+    )
+
+
+def _counters_between(
+    engine: Engine, before: SpecCounters | None, server: ServerHandle, results: Sequence[RequestResult]
+) -> SpecCounters | None:
+    after = engine.parse_metrics(server.metrics_text())
+    if after is not None:
+        return after - (before or SpecCounters())
+    per_request = [r.response_counters for r in results if r.response_counters is not None]
+    return sum(per_request[1:], per_request[0]) if per_request else None
 
 
 def benchmark_server(
@@ -233,67 +415,71 @@ def benchmark_server(
     engine: Engine,
     prompt_ids: Sequence[Sequence[int]],
     concurrency: Sequence[int],
-    max_tokens: int,
+    plan: BenchmarkPlan,
     *,
     name: str,
     served_model_name: str = "target",
     smoke_content: str | None = None,
-    requests_per_level: int | None = None,
-    timeout_s: float = 600.0,
 ) -> ServerRun:
-    """Measure one running server at each concurrency; counters differenced around each level."""
-    levels: list[ConcurrencyResult] = []
-    reference = min(int(level) for level in concurrency)
-    by_index: dict[int, RequestResult] = {}
-    for level in concurrency:
-        # At least `level` requests so that the level is really reached; prompts are cycled.
-        count = max(len(prompt_ids), int(level), int(requests_per_level or 0))
-        batch = [prompt_ids[i % len(prompt_ids)] for i in range(count)]
-        before = engine.parse_metrics(server.metrics_text())
-        results, duration = asyncio.run(
-            _run_level(server.base_url, served_model_name, batch, int(level), max_tokens, engine, timeout_s)
-        )
-        after = engine.parse_metrics(server.metrics_text())
-        counters: SpecCounters | None = None
-        if after is not None:
-            counters = after - (before or SpecCounters())
-        else:
-            per_request = [r.response_counters for r in results if r.response_counters is not None]
-            if per_request:
-                counters = sum(per_request[1:], per_request[0])
-        ok = [r for r in results if r.error is None]
-        tokens = sum(r.output_tokens for r in ok)
-        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-        tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
-        levels.append(
-            ConcurrencyResult(
-                concurrency=int(level),
-                num_requests=len(results),
-                output_tokens=tokens,
-                duration_s=duration,
-                output_tokens_per_s=tokens / duration if duration > 0 else 0.0,
-                ttft_mean_s=_mean(ttfts),
-                ttft_p50_s=_median(ttfts),
-                tpot_mean_s=_mean(tpots),
-                tpot_p50_s=_median(tpots),
-                errors=len(results) - len(ok),
-                counters=counters.to_json() if counters is not None and counters.num_drafts > 0 else None,
-            )
-        )
-        if int(level) == reference and not by_index:
-            failed = [r for r in results if r.error is not None]
-            if failed:
-                raise RuntimeError(
-                    f"server {name!r}: {len(failed)} requests failed, first: {failed[0].error}"
-                )
-            by_index = {r.index: r for r in results if r.index < len(prompt_ids)}
+    """Warm the server up, then measure it at each concurrency (repeats; counters differenced around
+    each level) and at each open-loop request rate."""
+    levels = [int(level) for level in concurrency]
+    reference = min(levels)
+    width = max([*levels, plan.open_loop_requests if plan.request_rates else 1])
+
+    async def measure() -> tuple[
+        list[ConcurrencyResult], list[OpenLoopResult], dict[int, RequestResult], int
+    ]:
+        client = _Client(server.base_url, served_model_name, engine, plan.max_tokens, plan.timeout_s, width)
+        try:
+            warmup = 0
+            for _ in range(plan.warmup_rounds):
+                for level in levels:
+                    discarded, _ = await _closed_loop(
+                        client, prompt_ids, level, min_requests=level, min_output_tokens=0, min_seconds=0.0
+                    )
+                    warmup += len(discarded)
+            measured: list[ConcurrencyResult] = []
+            by_index: dict[int, RequestResult] = {}
+            for level in levels:
+                before = engine.parse_metrics(server.metrics_text())
+                repeats = []
+                for repeat in range(max(1, plan.repeats)):
+                    first_pass = level == reference and repeat == 0
+                    results, duration = await _closed_loop(
+                        client,
+                        prompt_ids,
+                        level,
+                        min_requests=max(level, len(prompt_ids)) if first_pass else level,
+                        min_output_tokens=plan.min_output_tokens,
+                        min_seconds=plan.min_seconds,
+                    )
+                    if first_pass:
+                        failed = [r for r in results if r.error is not None]
+                        if failed:
+                            raise RuntimeError(
+                                f"server {name!r}: {len(failed)} requests failed, first: {failed[0].error}"
+                            )
+                        by_index = {r.index: r for r in results if r.index < len(prompt_ids)}
+                    repeats.append((results, duration))
+                every = [r for results, _ in repeats for r in results]
+                counters = _counters_between(engine, before, server, every)
+                measured.append(_level_result(level, repeats, counters))
+            open_loop = [
+                await _measure_rate(client, prompt_ids, float(rate), plan) for rate in plan.request_rates
+            ]
+            return measured, open_loop, by_index, warmup
+        finally:
+            await client.http.aclose()
+
+    measured, open_loop, by_index, warmup = asyncio.run(measure())
     records = [by_index[i] for i in range(len(prompt_ids))]
     return ServerRun(
         name=name,
         startup_s=server.startup_s,
         log_path=str(server.log_path),
         smoke_content=smoke_content,
-        levels=levels,
+        levels=measured,
         outputs=[r.text for r in records],
         output_logprobs=[r.token_logprobs for r in records],
         output_token_ids=[r.token_ids for r in records],
@@ -301,4 +487,30 @@ def benchmark_server(
             r.response_counters.to_json() if r.response_counters is not None else None for r in records
         ],
         reference_concurrency=reference,
+        open_loop=open_loop,
+        warmup_requests=warmup,
+    )
+
+
+async def _measure_rate(
+    client: _Client, prompt_ids: Sequence[Sequence[int]], rate: float, plan: BenchmarkPlan
+) -> OpenLoopResult:
+    results, duration = await _open_loop(client, prompt_ids, rate, plan.open_loop_requests, plan.seed)
+    ok = [r for r in results if r.error is None]
+    tpots = [t for r in ok if (t := r.tpot_s) is not None]
+    good = (
+        [r for r in ok if r.tpot_s is not None and r.tpot_s <= plan.tpot_target_s]
+        if plan.tpot_target_s is not None
+        else None
+    )
+    return OpenLoopResult(
+        request_rate=rate,
+        num_requests=len(results),
+        duration_s=duration,
+        output_tokens_per_s=sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
+        tpot_target_s=plan.tpot_target_s,
+        goodput_requests_per_s=len(good) / duration if good is not None and duration > 0 else None,
+        ttft_s=spread([], [r.ttft_s for r in ok if r.ttft_s is not None]),
+        tpot_s=spread([], tpots),
+        errors=len(results) - len(ok),
     )

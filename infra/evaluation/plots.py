@@ -74,17 +74,70 @@ def write_plots(report: EvalReport, out_dir: Path) -> list[str]:
     acceptance = _save(figure, out_dir / "acceptance_per_position.png")
 
     figure, axis = plt.subplots(figsize=(5, 3.5))
-    for run in (report.baseline, report.speculative):
-        axis.plot(
-            [lv.concurrency for lv in run.levels],
-            [lv.output_tokens_per_s for lv in run.levels],
-            marker="o",
+    for run in (report.baseline, report.speculative, *report.sweep_runs.values()):
+        medians = [lv.output_tokens_per_s for lv in run.levels]
+        # Error bars: min..max over the repeats.
+        below = [m - (lv.throughput.get("min") or m) for m, lv in zip(medians, run.levels, strict=True)]
+        above = [(lv.throughput.get("max") or m) - m for m, lv in zip(medians, run.levels, strict=True)]
+        axis.errorbar(
+            [lv.concurrency for lv in run.levels], medians, yerr=[below, above], marker="o", capsize=3,
             label=run.name,
-        )
+        )  # fmt: skip
     axis.set_xlabel("concurrency")
     axis.set_ylabel("output tokens/s")
     axis.set_xscale("log", base=2)
     axis.set_title("Throughput vs concurrency")
     axis.legend()
     throughput = _save(figure, out_dir / "throughput_vs_concurrency.png")
-    return [str(acceptance), str(throughput)]
+    paths = [str(acceptance), str(throughput)]
+    if report.category_acceptance:
+        paths.append(
+            str(_plot_categories(report.category_acceptance, out_dir / "acceptance_per_category.png"))
+        )
+    if report.k_sweep:
+        paths.append(str(_plot_k_sweep(report.k_sweep, out_dir / "acceptance_length_per_k.png")))
+    return paths
+
+
+def _plot_categories(categories: Mapping[str, Mapping[str, Any]], path: Path) -> Path:
+    """Mean acceptance length per prompt category (simulator on the engine's text; engine if reported)."""
+    plt = _pyplot()
+    names = list(categories)
+    figure, axis = plt.subplots(figsize=(max(5.0, 0.9 * len(names)), 3.5))
+    for offset, source in ((-0.2, "simulator"), (0.2, "engine")):
+        values = [((categories[name].get(source) or {}).get("mean_acceptance_length")) for name in names]
+        if any(value is not None for value in values):
+            axis.bar(
+                [i + offset for i in range(len(names))],
+                [value if value is not None else 0.0 for value in values],
+                width=0.4,
+                label=source,
+            )
+    axis.set_xticks(range(len(names)))
+    axis.set_xticklabels(names, rotation=30, ha="right")
+    axis.set_ylabel("mean acceptance length")
+    axis.set_title("Acceptance length per prompt category")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend()
+    return _save(figure, path)
+
+
+def _plot_k_sweep(sweep: list[Mapping[str, Any]], path: Path) -> Path:
+    """Predicted (simulator) against measured (engine) mean acceptance length per k."""
+    plt = _pyplot()
+    ks = [int(entry["k"]) for entry in sweep]
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    for key, label in (
+        ("predicted_mean_acceptance_length", "predicted"),
+        ("measured_mean_acceptance_length", "measured"),
+    ):
+        points = [(k, entry[key]) for k, entry in zip(ks, sweep, strict=True) if entry.get(key) is not None]
+        if points:
+            axis.plot([k for k, _ in points], [v for _, v in points], marker="o", label=label)
+    axis.set_xlabel("speculative tokens k")
+    axis.set_ylabel("mean acceptance length")
+    axis.set_xticks(ks)
+    axis.set_title("Acceptance length per k")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend()
+    return _save(figure, path)

@@ -40,10 +40,22 @@ class EvalReport:
     numeric_modes: dict[str, Any] = field(default_factory=dict)
     # verdict.AcceptanceComparison.to_json(): how acceptance was paired, divergent / excluded prompts.
     consistency: dict[str, Any] = field(default_factory=dict)
+    # verdict.LevelSpeedup per concurrency at the engine's k: speedup, interval, status, reasons.
+    speedup_levels: list[dict[str, Any]] = field(default_factory=list)
+    benchmark_plan: dict[str, Any] = field(default_factory=dict)
+    # Per k served: predicted (simulator) and measured AL, and its LevelSpeedup list.
+    k_sweep: list[dict[str, Any]] = field(default_factory=list)
+    sweep_runs: dict[int, ServerRun] = field(default_factory=dict)  # the other k's servers
+    recommended_k: dict[int, int | None] = field(default_factory=dict)  # per concurrency
+    serving_k: int | None = None  # the k to serve (best at the lowest concurrency)
+    # category -> {prompts, simulator: {acceptance_rate, mean_acceptance_length}, engine: same or None}
+    category_acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["speedup"] = {str(k): v for k, v in self.speedup.items()}
+        data["sweep_runs"] = {str(k): v for k, v in data["sweep_runs"].items()}
+        data["recommended_k"] = {str(c): k for c, k in self.recommended_k.items()}
         return data
 
     def write(self, path: Path) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from draftloop.infra.engines.base import Engine, read_json, stored_layer_ids
-from draftloop.infra.evaluation.benchmark import ServerRun
+from draftloop.infra.evaluation.benchmark import ConcurrencyResult, ServerRun
 from draftloop.infra.evaluation.simulator import SimulatorFigures
 
 VERDICT_OK = "ok"
@@ -253,3 +253,106 @@ def decide_verdict(
             "(engine and simulator agree: the drafter itself is weak)"
         ]
     return VERDICT_OK, []
+
+
+# ------------------------------------------------------------------------------------------------
+# Speedup: interval, inconclusive levels and physical bounds
+
+SPEEDUP_OK = "ok"
+SPEEDUP_INCONCLUSIVE = "inconclusive"
+SPEEDUP_MEASUREMENT_ERROR = "measurement_error"
+SPEEDUP_UNMEASURED = "unmeasured"
+
+
+@dataclass
+class LevelSpeedup:
+    """Speedup at one concurrency: median speculative / median baseline throughput, with the interval
+    [min spec / max baseline, max spec / min baseline] over the repeats, and its status."""
+
+    concurrency: int
+    speedup: float | None
+    low: float | None
+    high: float | None
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    mean_acceptance_length: float | None = None  # the bound: the level's own, else the whole run's
+
+
+def throughput_contradiction(level: ConcurrencyResult, factor: float) -> str | None:
+    """A reason when a level's duration disagrees with its own latencies by more than `factor`.
+
+    A closed loop of `concurrency` streams each taking TTFT + (n - 1) TPOT for its n tokens (medians)
+    should take requests x that / min(concurrency, requests) seconds per repeat (Little's law). Summed
+    over the repeats (one scheduling hiccup in a short repeat is not a contradiction), a level much slower
+    than that spent its time outside its requests' typical latency: a warm-up absorbed by one request.
+    """
+    ttft, tpot = level.ttft_s.get("p50"), level.tpot_s.get("p50")
+    if ttft is None or tpot is None:
+        return None
+    measured = predicted = 0.0
+    for repeat in level.repeats:
+        ok_requests = repeat.num_requests - repeat.errors
+        if ok_requests <= 0:
+            continue
+        latency = ttft + max(repeat.output_tokens / ok_requests - 1.0, 0.0) * tpot
+        predicted += ok_requests * latency / min(level.concurrency, ok_requests)
+        measured += repeat.duration_s
+    if predicted <= 0 or measured <= 0:
+        return None
+    ratio = measured / predicted
+    if 1.0 / factor <= ratio <= factor:
+        return None
+    return (
+        f"concurrency {level.concurrency}: its repeats took {measured:.3f}s, {ratio:.2f}x the "
+        f"{predicted:.3f}s its own TTFT p50 {ttft:.4f}s and TPOT p50 {tpot:.4f}s predict "
+        f"(allowed 1/{factor:g}..{factor:g}x)"
+    )
+
+
+def level_speedups(
+    baseline: ServerRun,
+    speculative: ServerRun,
+    *,
+    acceptance_length: float | None,
+    bound_tolerance: float,
+    consistency_factor: float,
+) -> list[LevelSpeedup]:
+    """Speedup per concurrency level of `speculative`, each `ok`, `inconclusive` (its interval contains
+    1.0), `measurement_error` (physically impossible: above the mean acceptance length x (1 + tolerance),
+    or a level's throughput contradicting its own TTFT/TPOT) or `unmeasured`."""
+    base_levels = {level.concurrency: level for level in baseline.levels}
+    speedups = []
+    for spec in speculative.levels:
+        base = base_levels.get(spec.concurrency)
+        length = (spec.counters or {}).get("mean_acceptance_length") or acceptance_length
+        if base is None or not base.output_tokens_per_s:
+            speedups.append(LevelSpeedup(spec.concurrency, None, None, None, SPEEDUP_UNMEASURED, [], length))
+            continue
+        speedup = spec.output_tokens_per_s / base.output_tokens_per_s
+        b_low, b_high = base.throughput.get("min"), base.throughput.get("max")
+        s_low, s_high = spec.throughput.get("min"), spec.throughput.get("max")
+        low = s_low / b_high if s_low is not None and b_high else None
+        high = s_high / b_low if s_high is not None and b_low else None
+        errors = [
+            f"{run.name} {reason}"
+            for run, level in ((baseline, base), (speculative, spec))
+            if (reason := throughput_contradiction(level, consistency_factor)) is not None
+        ]
+        if length is not None and speedup > length * (1.0 + bound_tolerance):
+            errors.insert(
+                0,
+                f"speedup {speedup:.3f}x at concurrency {spec.concurrency} exceeds the mean acceptance "
+                f"length {length:.3f} (+{bound_tolerance:.0%} tolerance): one target forward yields at "
+                "most AL tokens, so the baseline or the speculative timing is wrong",
+            )
+        if errors:
+            status, reasons = SPEEDUP_MEASUREMENT_ERROR, errors
+        elif low is not None and high is not None and low <= 1.0 <= high:
+            status = SPEEDUP_INCONCLUSIVE
+            reasons = [
+                f"speedup interval [{low:.3f}, {high:.3f}] at concurrency {spec.concurrency} contains 1.0"
+            ]
+        else:
+            status, reasons = SPEEDUP_OK, []
+        speedups.append(LevelSpeedup(spec.concurrency, speedup, low, high, status, reasons, length))
+    return speedups
