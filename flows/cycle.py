@@ -101,7 +101,10 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "lossless": results.get("lossless"),
         "verdict": evaluation.manifest.summary.get("verdict") if evaluation else None,
         "speedup": results.get("speedup"),
+        "speedup_status": results.get("speedup_status"),
         "throughput": results.get("throughput"),
+        "recommended_k": results.get("recommended_k"),
+        "k_sweep": evaluation.manifest.summary.get("k_sweep") if evaluation else None,
         "registered_model": registration.manifest.summary if registration else None,
         "stages": {
             name: {"seconds": timing.seconds, "cache_hit": timing.cache_hit, "uri": ctx.outcomes[name].uri}
@@ -111,10 +114,7 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "total_seconds": round(time.perf_counter() - started, 3),
         "run_folder": ctx.run_uri,
     }
-        "speedup_status": results.get("speedup_status"),
 
-        "recommended_k": results.get("recommended_k"),
-        "k_sweep": evaluation.manifest.summary.get("k_sweep") if evaluation else None,
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     lines = [

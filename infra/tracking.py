@@ -246,6 +246,9 @@ class CycleResults:
     simulator_acceptance_rate: float | None = None
     consistent: bool | None = None  # engine vs simulator within tolerance
     lossless: bool | None = None
+    # Per concurrency: "ok", "inconclusive" (interval contains 1.0) or "measurement_error" (with why).
+    speedup_status: dict[int, str] = field(default_factory=dict)
+    recommended_k: int | None = None  # the k the evaluation recommends serving
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -253,13 +256,12 @@ class CycleResults:
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
             "speedup": {str(k): v for k, v in self.speedup.items()},
-    # Per concurrency: "ok", "inconclusive" (interval contains 1.0) or "measurement_error" (with why).
-    speedup_status: dict[int, str] = field(default_factory=dict)
-    recommended_k: int | None = None  # the k the evaluation recommends serving
             "throughput": {str(k): v for k, v in self.throughput.items()},
             "simulator_acceptance_rate": self.simulator_acceptance_rate,
             "consistent": self.consistent,
             "lossless": self.lossless,
+            "speedup_status": {str(k): v for k, v in self.speedup_status.items()},
+            "recommended_k": self.recommended_k,
         }
 
     @classmethod
@@ -267,14 +269,14 @@ class CycleResults:
         return cls(
             acceptance_rate=data.get("acceptance_rate"),
             mean_acceptance_length=data.get("mean_acceptance_length"),
-            "speedup_status": {str(k): v for k, v in self.speedup_status.items()},
-            "recommended_k": self.recommended_k,
             per_position_acceptance=list(data.get("per_position_acceptance") or []),
             speedup={int(k): float(v) for k, v in (data.get("speedup") or {}).items()},
             throughput={int(k): float(v) for k, v in (data.get("throughput") or {}).items()},
             simulator_acceptance_rate=data.get("simulator_acceptance_rate"),
             consistent=data.get("consistent"),
             lossless=data.get("lossless"),
+            speedup_status={int(k): str(v) for k, v in (data.get("speedup_status") or {}).items()},
+            recommended_k=data.get("recommended_k"),
         )
 
 
@@ -282,8 +284,6 @@ class CycleResults:
 class GateDecision:
     passed: bool
     reasons: list[str]  # why it failed (empty when passed)
-            speedup_status={int(k): str(v) for k, v in (data.get("speedup_status") or {}).items()},
-            recommended_k=data.get("recommended_k"),
     notes: list[str]  # checks that were skipped, with why
 
     def to_dict(self) -> dict[str, Any]:
@@ -305,19 +305,19 @@ def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: floa
         )
     else:
         speedup = results.speedup.get(1)
+        status = results.speedup_status.get(1, "ok")
         if speedup is None:
             reasons.append("no speedup measured at concurrency 1")
+        elif not status.startswith("ok"):
+            # Never promote on a flagged figure.
+            reasons.append(f"speedup at concurrency 1 ({speedup:.3f}x) is flagged: {status}")
         elif speedup < gate.min_speedup:
             reasons.append(f"speedup at concurrency 1 is {speedup:.3f} < min_speedup {gate.min_speedup}")
     if gate.require_consistency:
         if results.lossless is False:
             reasons.append("greedy outputs of the speculative server differ from the baseline's")
-        status = results.speedup_status.get(1, "ok")
         if results.consistent is None:
             reasons.append("engine/simulator consistency was not measured")
-        elif not status.startswith("ok"):
-            # Never promote on a flagged figure.
-            reasons.append(f"speedup at concurrency 1 ({speedup:.3f}x) is flagged: {status}")
         elif not results.consistent:
             reasons.append(
                 f"engine acceptance {results.acceptance_rate} disagrees with the simulator's "
@@ -372,6 +372,8 @@ def description_table(
     if gate is not None:
         verdict = "passed" if gate.passed else "rejected: " + "; ".join(gate.reasons)
         lines.append(f"| gate | {verdict} |")
+    if serving_command is not None:
+        lines += ["", f"Serve it (recommended k = {results.recommended_k}):", "", f"    {serving_command}"]
     return "\n".join(lines) + "\n"
 
 
@@ -379,8 +381,6 @@ def description_table(
 class Registration:
     name: str
     version: str
-    if serving_command is not None:
-        lines += ["", f"Serve it (recommended k = {results.recommended_k}):", "", f"    {serving_command}"]
     champion: bool  # the `champion` alias now points at this version
     gate: GateDecision
     previous_champion: str | None
@@ -414,6 +414,7 @@ def register_drafter(
     results: CycleResults,
     tags: Mapping[str, Any],
     artifact_dir: str = "drafter",
+    serving_command: Callable[[str], str] | None = None,
 ) -> Registration:
     """Create a model version from `<run artifacts>/<artifact_dir>` and move `champion` if the gate passes.
 
@@ -422,7 +423,6 @@ def register_drafter(
     the command that serves the drafter from the version's source (the description's last line).
     """
     client = tracker.client
-    serving_command: Callable[[str], str] | None = None,
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -433,6 +433,7 @@ def register_drafter(
     version_tags = {k: str(v) for k, v in tags.items()}
     version_tags["mean_acceptance_length"] = str(results.mean_acceptance_length)
     version_tags["acceptance_rate"] = str(results.acceptance_rate)
+    source = f"{run.artifact_uri}/{artifact_dir}"
     version = client.create_model_version(
         name,
         source=source,
@@ -442,7 +443,6 @@ def register_drafter(
             results, decision, serving_command(source) if serving_command is not None else None
         ),
     )
-    source = f"{run.artifact_uri}/{artifact_dir}"
     if decision.passed:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)
         client.set_model_version_tag(name, version.version, "gate", "passed")
