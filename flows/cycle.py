@@ -11,9 +11,11 @@ import json
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import ray._private.worker as ray_worker
+import yaml
 from prefect import Flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.objects import FlowRun
@@ -36,35 +38,43 @@ from draftloop.tasks.train import train_stage
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-class TrainAndEvalParams(BaseModel):
-    """The flow's form in the Prefect UI: a config file plus the overrides people change most."""
+DEFAULT_CONFIG = "configs/tiny-llama.yaml"
+# The form shows the default config's own values (read once at import, so they never drift from the file).
+_DEFAULT_CONFIG_VALUES: dict[str, Any] = yaml.safe_load(
+    (Path(__file__).resolve().parents[1] / DEFAULT_CONFIG).read_text()
+)
+DEFAULT_NUM_SAMPLES: int = _DEFAULT_CONFIG_VALUES["data"]["num_samples"]
+DEFAULT_NUM_SPECULATIVE_TOKENS: int = _DEFAULT_CONFIG_VALUES["engine"]["num_speculative_tokens"]
+DEFAULT_ENGINE_KIND: str = _DEFAULT_CONFIG_VALUES["engine"]["kind"]
+DEFAULT_EPOCHS: int = _DEFAULT_CONFIG_VALUES["training"]["epochs"]
+DEFAULT_TARGET_PATH: str = _DEFAULT_CONFIG_VALUES["target"]["path"]
 
-    config: str = Field(default="configs/tiny-llama.yaml", description="Experiment config (YAML path)")
-    target_path: str | None = Field(default=None, description="target.path: Hugging Face model folder")
-    drafter_init: str | None = Field(
-        default=None, description="training.drafter_init: drafter folder to fine-tune"
-    )
-    engine_kind: str | None = Field(default=None, description="engine.kind (a registered engine)")
-    num_speculative_tokens: int | None = Field(
-        default=None, ge=1, le=16, description="engine.num_speculative_tokens"
-    )
-    num_samples: int | None = Field(
-        default=None, ge=1, description="data.num_samples: conversations to synthesize"
-    )
-    overrides: dict[str, Any] = Field(
-        default_factory=dict, description='More overrides: dotted keys, e.g. {"training.epochs": 2}'
-    )
+
+class TrainAndEvalParams(BaseModel):
+    """What a cycle runs with: a config file plus the overrides people change most (the flows' form)."""
+
+    config: str = DEFAULT_CONFIG
+    target_path: str = DEFAULT_TARGET_PATH
+    num_samples: int = Field(default=DEFAULT_NUM_SAMPLES, ge=1)
+    epochs: int = Field(default=DEFAULT_EPOCHS, ge=1)
+    engine_kind: str = DEFAULT_ENGINE_KIND
+    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=1, le=16)
+    drafter_init: str = ""
+    overrides: dict[str, Any] = Field(default_factory=dict)
 
     def config_overrides(self) -> dict[str, Any]:
-        """All overrides as dotted keys, the form `ExperimentConfig.load` takes."""
-        named = {
-            "target.path": self.target_path,
-            "training.drafter_init": self.drafter_init,
-            "engine.kind": self.engine_kind,
-            "engine.num_speculative_tokens": self.num_speculative_tokens,
-            "data.num_samples": self.num_samples,
+        """The overrides as dotted keys, the form `ExperimentConfig.load` takes; named fields left at
+        their defaults are not overrides (the chosen config keeps its own values)."""
+        named: dict[str, tuple[Any, Any]] = {
+            "target.path": (self.target_path, DEFAULT_TARGET_PATH),
+            "data.num_samples": (self.num_samples, DEFAULT_NUM_SAMPLES),
+            "training.epochs": (self.epochs, DEFAULT_EPOCHS),
+            "training.drafter_init": (self.drafter_init or None, None),
+            "engine.kind": (self.engine_kind, DEFAULT_ENGINE_KIND),
+            "engine.num_speculative_tokens": (self.num_speculative_tokens, DEFAULT_NUM_SPECULATIVE_TOKENS),
         }
-        return {**{k: v for k, v in named.items() if v is not None}, **self.overrides}
+        changed = {key: value for key, (value, default) in named.items() if value != default}
+        return {**changed, **self.overrides}
 
     def load_config(self) -> ExperimentConfig:
         return ExperimentConfig.load(self.config, self.config_overrides())

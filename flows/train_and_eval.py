@@ -6,10 +6,45 @@ from typing import Any
 
 from prefect import flow
 
-from draftloop.flows.cycle import CYCLE_FLOW_HOOKS, TrainAndEvalParams, run_cycle
+from draftloop.flows.cycle import (
+    CYCLE_FLOW_HOOKS,
+    DEFAULT_CONFIG,
+    DEFAULT_ENGINE_KIND,
+    DEFAULT_EPOCHS,
+    DEFAULT_NUM_SAMPLES,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_TARGET_PATH,
+    TrainAndEvalParams,
+    run_cycle,
+)
 
 
 @flow(name="train-and-eval", log_prints=True, **CYCLE_FLOW_HOOKS)
-def train_and_eval(params: TrainAndEvalParams | None = None) -> dict[str, Any]:
-    """Synthesize -> extract -> train -> deploy+evaluate -> register, each stage cached on its inputs."""
-    return run_cycle(params or TrainAndEvalParams())
+def train_and_eval(
+    config: str = DEFAULT_CONFIG,
+    target_path: str = DEFAULT_TARGET_PATH,
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    epochs: int = DEFAULT_EPOCHS,
+    engine_kind: str = DEFAULT_ENGINE_KIND,
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+    drafter_init: str = "",
+    overrides: dict[str, Any] = {},  # noqa: B006 - a literal so the form shows it; never mutated
+) -> dict[str, Any]:
+    """Train an EAGLE-3 drafter for the target and measure it in a real serving engine.
+
+    Synthesizes training conversations with the target, extracts its hidden states, trains the drafter,
+    serves it for speculative decoding, benchmarks acceptance and speedup, and registers it in MLflow
+    (it becomes the champion only if it passes the gate). Stages already done with the same inputs are
+    reused. Fields left at their defaults keep the config file's own values.
+
+    Args:
+        config: Experiment config file (YAML), relative to the repository.
+        target_path: Target model, a Hugging Face model folder.
+        num_samples: Training conversations to synthesize.
+        epochs: Training epochs of the drafter.
+        engine_kind: Serving engine for the evaluation, vllm or sglang.
+        num_speculative_tokens: k, the tokens the drafter proposes per step when served.
+        drafter_init: Drafter folder to fine-tune from; empty trains a new drafter.
+        overrides: Any other config value by dotted key, e.g. {"training.lr": 0.001}.
+    """
+    return run_cycle(TrainAndEvalParams(**locals()))

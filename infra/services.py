@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -76,6 +77,27 @@ def _bin(name: str) -> str:
     """An executable of this interpreter's environment (prefect, mlflow)."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
+
+
+# A small cycle (a few minutes on a laptop CPU) for the command `draftloop up` prints.
+QUICK_RUN_PARAMS: dict[str, int] = {"num_samples": 32, "epochs": 2}
+
+
+def deployment_run_command(api_url: str, params: dict[str, int] | None = None) -> str:
+    """A copy-paste shell command that runs one `train-and-eval` cycle on the server at `api_url`."""
+    return shlex.join(
+        [
+            "env",
+            f"PREFECT_API_URL={api_url}",
+            _bin("prefect"),
+            "deployment",
+            "run",
+            "train-and-eval/train-and-eval",
+            "--params",
+            json.dumps(QUICK_RUN_PARAMS if params is None else params),
+            "--watch",
+        ]
+    )
 
 
 def base_env(root: Path | None = None) -> dict[str, str]:

@@ -30,6 +30,10 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 from draftloop.infra.config import ExperimentConfig, GateConfig
 
 CHAMPION_ALIAS = "champion"
+# The experiment-type tag MLflow 3's UI reads: without it the UI may infer "GenAI" and open on an empty
+# traces view; "custom_model_development" opens on the runs table (MLflow has no Python constant for it).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
 # MLflow caps a param value at 6000 characters; long lists (extra_args) are truncated, not refused.
 _PARAM_VALUE_LIMIT = 6000
 _LOG_BATCH_LIMIT = 900  # MLflow accepts at most 1000 entities per log_batch call
@@ -163,6 +167,7 @@ class Tracker:
                 self.experiment_id = self.client.create_experiment(
                     experiment,
                     artifact_location=experiment_artifact_location(self.tracking_uri, artifact_root),
+                    tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND},
                 )
             except MlflowException:  # created concurrently by another process
                 found = self.client.get_experiment_by_name(experiment)
@@ -170,6 +175,8 @@ class Tracker:
                 self.experiment_id = found.experiment_id
         else:
             self.experiment_id = found.experiment_id
+            if EXPERIMENT_KIND_TAG not in found.tags:  # created before the tag, or by hand
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
         self.parent_run_id: str | None = None
 
     @classmethod

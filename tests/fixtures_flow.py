@@ -77,12 +77,10 @@ def run_cycle_in_process(
     env: FlowEnv, overrides: dict[str, Any] | None = None, until: str = "register"
 ) -> tuple[dict[str, Any], float]:
     """Run the cycle up to `until` through the real flow; (summary, seconds)."""
-    from draftloop.flows.cycle import TrainAndEvalParams
     from draftloop.flows.stages import flow_until
 
-    params = TrainAndEvalParams(config=str(env.config_path), overrides=overrides or {})
     started = time.perf_counter()
-    summary = flow_until(until)(params)
+    summary = flow_until(until)(config=str(env.config_path), overrides=overrides or {})
     return summary, time.perf_counter() - started
 
 

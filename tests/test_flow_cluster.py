@@ -73,10 +73,9 @@ def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
             monkeypatch.setenv(key, value)
         monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the cluster keeps token auth on
 
-        from draftloop.flows.cycle import TrainAndEvalParams
         from draftloop.flows.stages import train_flow
 
-        params = TrainAndEvalParams(
+        summary: dict[str, Any] = train_flow(
             config=str(config_path),
             num_samples=16,
             overrides={
@@ -87,7 +86,6 @@ def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
                 "training.epochs": 1,
             },
         )
-        summary: dict[str, Any] = train_flow(params)
 
         assert summary["status"] == "completed", summary
         assert list(summary["stages"]) == STAGES_RUN

@@ -105,12 +105,11 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         os.environ.setdefault(key, value)
     # Imported only now: importing Prefect creates PREFECT_HOME, which must be the one set above (and
     # nothing may be created before the config is accepted).
-    from draftloop.flows.cycle import TrainAndEvalParams
     from draftloop.flows.stages import flow_until
     from draftloop.tasks.cycle import PROGRESS_LISTENERS
 
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # sqlite will not create it
-    params = TrainAndEvalParams(config=str(config_path), overrides=parse_set_options(set_options))
+    overrides = parse_set_options(set_options)
     stages = STAGES[: STAGES.index(until) + 1]
     with Progress(
         SpinnerColumn(),
@@ -132,7 +131,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
 
         PROGRESS_LISTENERS.append(on_event)
         try:
-            summary = flow_until(until)(params)
+            summary = flow_until(until)(config=str(config_path), overrides=overrides)
         except Exception as error:
             progress.stop()
             bad_input = bad_input_behind(error)

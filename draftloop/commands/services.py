@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftloop.infra.services import WORK_POOL, services_dir
+from draftloop.infra.services import WORK_POOL, deployment_run_command, services_dir
 from draftloop.infra.services import down as stop_services
 from draftloop.infra.services import up as start_services
 
@@ -39,9 +39,9 @@ def register(app: typer.Typer) -> None:
         console.print(table)
         api = services["prefect-server"].url
         console.print(f"Prefect UI: {api}   MLflow UI: {services['mlflow'].url}   pool: {WORK_POOL}")
-        console.print(
-            f"Run a cycle: PREFECT_API_URL={api}/api prefect deployment run 'train-and-eval/train-and-eval'"
-        )
+        # Plain print, no wrapping or markup: the command must survive copy-paste intact.
+        print(f"Run a small cycle (the form at {api} shows every field):")
+        print(f"  {deployment_run_command(f'{api}/api')}")
         console.print(f"PIDs recorded under {services_dir(Path.cwd())}; stop with `draftloop down`.")
 
     @app.command()

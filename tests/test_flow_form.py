@@ -1,0 +1,80 @@
+"""The flows' Prefect form: flat fields, each with the default config's value and a description."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prefect.utilities.callables import parameter_schema
+
+from draftloop.flows.cycle import TrainAndEvalParams
+from draftloop.flows.stages import flow_until
+from draftloop.infra.services import deployment_run_command
+from draftloop.tasks.cache import STAGES
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_form_fields_are_flat_with_config_defaults(stage: str) -> None:
+    schema = parameter_schema(flow_until(stage)).model_dump_for_openapi()
+    fields: dict[str, Any] = schema["properties"]
+    assert set(fields) == {
+        "config",
+        "target_path",
+        "num_samples",
+        "epochs",
+        "engine_kind",
+        "num_speculative_tokens",
+        "drafter_init",
+        "overrides",
+    }
+    assert fields["config"]["default"] == "configs/tiny-llama.yaml"
+    assert fields["num_samples"]["default"] == DEFAULT_CONFIG["data"]["num_samples"] == 256
+    assert fields["num_speculative_tokens"]["default"] == DEFAULT_CONFIG["engine"]["num_speculative_tokens"]
+    assert fields["engine_kind"]["default"] == DEFAULT_CONFIG["engine"]["kind"] == "vllm"
+    assert fields["epochs"]["default"] == DEFAULT_CONFIG["training"]["epochs"]
+    assert fields["target_path"]["default"] == DEFAULT_CONFIG["target"]["path"]
+    for name, field in fields.items():
+        assert "anyOf" not in field, f"{name} shows a type toggle: {field}"
+        assert field.get("description"), f"{name} has no description"
+        assert "\n" not in field["description"]
+    assert fields["num_samples"]["type"] == "integer"
+    assert fields["overrides"]["type"] == "object"
+
+
+def test_fields_left_at_defaults_keep_the_chosen_configs_values() -> None:
+    assert TrainAndEvalParams(config="configs/other.yaml").config_overrides() == {}
+    changed = TrainAndEvalParams(num_samples=32, drafter_init="d", overrides={"training.lr": 0.1})
+    assert changed.config_overrides() == {
+        "data.num_samples": 32,
+        "training.drafter_init": "d",
+        "training.lr": 0.1,
+    }
+
+
+def test_up_prints_a_complete_small_run_command() -> None:
+    words = shlex.split(deployment_run_command("http://127.0.0.1:4200/api"))
+    assert words[:2] == ["env", "PREFECT_API_URL=http://127.0.0.1:4200/api"]
+    assert Path(words[2]).is_absolute() and words[2].endswith("/prefect")
+    assert words[3:6] == ["deployment", "run", "train-and-eval/train-and-eval"]
+    params = json.loads(words[words.index("--params") + 1])
+    assert params["num_samples"] < DEFAULT_CONFIG["data"]["num_samples"]
+    TrainAndEvalParams(**params)  # every key is a form field
+    assert words[-1] == "--watch"
+
+
+def test_deploy_reads_the_same_form_from_source() -> None:
+    """`prefect deploy` builds the schema from the entrypoint's source, not the imported flow."""
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    imported = parameter_schema(flow_until("register")).model_dump_for_openapi()["properties"]
+    from_source = parameter_schema_from_entrypoint(
+        str(REPO_ROOT / "flows" / "train_and_eval.py") + ":train_and_eval"
+    ).model_dump_for_openapi()["properties"]
+    assert from_source == imported
