@@ -214,7 +214,7 @@ def test_full_cycle_records_results_registry_and_artifacts(
     for key in (
         "speedup.c1",
         "speculative.c4.output_tokens_per_s",
-        "baseline.c1.ttft_mean_s",
+        "baseline.c1.ttft_s.p50",
         "engine.acceptance_rate",
     ):
         assert key in evaluate_metrics, key
