@@ -24,7 +24,10 @@ from draftloop.tasks.cache import StageError
 
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.yaml"
 
-PROMPT_ROWS: list[dict[str, Any]] = [{"id": "p1", "prompt": "Say hi."}, {"id": 2, "prompt": "Count to 3.", "category": "math"}]
+PROMPT_ROWS: list[dict[str, Any]] = [
+    {"id": "p1", "prompt": "Say hi."},
+    {"id": 2, "prompt": "Count to 3.", "category": "math"},
+]
 SHAREGPT_ROWS: list[dict[str, Any]] = [
     {
         "id": "s1",
@@ -262,3 +265,14 @@ def test_config_validate_reads_the_data(tmp_path: Path, monkeypatch: pytest.Monk
         "data: 1 rows (prompt), 1 rejected",
         f"  rejected {source}:line 2: invalid UTF-8 at column 27",
     ]
+
+
+def test_run_with_bad_data_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _lines(tmp_path / "in.jsonl", GOOD, b'{"id": "x", "prompt": "trunc')
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(TINY_LLAMA, tmp_path / "cfg.yaml")
+    sets = [f"engine.python={sys.executable}", f"data.prompts={source}", "data.on_bad_row=fail"]
+    result = CliRunner().invoke(app, ["run", "cfg.yaml", *(arg for item in sets for arg in ("--set", item))])
+    assert result.exit_code == 2
+    assert result.stderr == f"data error: {source}:line 2: {BAD_ROWS[0][1]}\n" and result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "in.jsonl"]  # no service started

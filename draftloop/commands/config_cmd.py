@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from draftloop.infra.config import ConfigError, ExperimentConfig, parse_override_value
-from draftloop.infra.datasets import DataError, read_input_from_config
+from draftloop.infra.datasets import DataError, InputData, read_input_from_config
 from draftloop.infra.storage import storage_options
 
 config_app = typer.Typer(help="Experiment configs: validate and show them resolved.", no_args_is_help=True)
@@ -34,6 +34,16 @@ def load_config_or_exit(path: Path, set_options: list[str] | None = None) -> Any
         raise typer.Exit(code=2) from None
 
 
+def read_data_or_exit(config: ExperimentConfig) -> InputData:
+    """Read and check every row of the config's data source (no model); on a data error print its one
+    line (file, line, reason) and exit 2."""
+    try:
+        return read_input_from_config(config, storage_options(config))
+    except DataError as error:
+        typer.echo(f"data error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+
+
 @config_app.command("validate")
 def validate(
     file: Path = typer.Argument(..., help="Experiment config (YAML)."),
@@ -44,11 +54,7 @@ def validate(
     """Validate FILE against its target, engine and storage, check every row of its data source (shapes
     only, no model); print the resolved config, and what the data holds on stderr."""
     config = load_config_or_exit(file, set_options)
-    try:
-        data = read_input_from_config(config, storage_options(config))
-    except DataError as error:
-        typer.echo(f"data error: {error}", err=True)
-        raise typer.Exit(code=2) from None
+    data = read_data_or_exit(config)
     typer.echo(config.to_yaml(), nl=False)
     formats = ", ".join(sorted(set(data.formats.values())))
     typer.echo(f"data: {len(data.rows)} rows ({formats}), {len(data.rejected)} rejected", err=True)

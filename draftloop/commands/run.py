@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options
+from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options, read_data_or_exit
 from draftloop.infra.processes import state_dir
 from draftloop.tasks.cache import STAGES
 
@@ -99,7 +99,8 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
     if until not in STAGES:
         console.print(f"[red]error:[/red] --until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
         raise typer.Exit(2)
-    load_config_or_exit(config_path, set_options)  # creates nothing
+    # creates nothing; bad prompt data is one line and exit 2 here, before any service starts
+    read_data_or_exit(load_config_or_exit(config_path, set_options))
     state = state_dir()
     for key, value in _embedded_defaults(state).items():
         os.environ.setdefault(key, value)
