@@ -67,7 +67,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         log_to_driver=os.environ.get("DRAFTLOOP_RAY_LOG_TO_DRIVER", "1") != "0",
         configure_logging=False,
         # Tokenizers must not start a thread pool per worker on a 2-core machine.
-        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", **_forwarded_credentials()}},
+        runtime_env={
+            "env_vars": {"TOKENIZERS_PARALLELISM": "false", **_forwarded_credentials()},
+            "worker_process_setup_hook": "draftloop.infra.ray_logging.quiet_ray_train_cleaner",
+        },
     )
     _started_here = True
     for callback in list(RAY_START_CALLBACKS):

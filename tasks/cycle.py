@@ -13,6 +13,9 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
+
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.processes import PidRecord, state_dir
 from draftloop.infra.storage import join, storage_options, write_text_atomic
@@ -79,6 +82,49 @@ def _numeric(summary: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return metrics
 
 
+# What each stage's Prefect log line reports: (summary key, dotted for nested, label), in that order.
+KEY_FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
+    "synthesize": (
+        ("rows", "conversations"),
+        ("rejected", "rejected"),
+        ("rows_per_s", "rows/s"),
+        ("tokens_per_s", "tokens/s"),
+    ),
+    "extract": (("samples", "samples"), ("tokens", "tokens"), ("tokens_per_s", "tokens/s")),
+    "train": (
+        ("epochs", "epochs"),
+        ("final_loss", "final loss"),
+        ("final_accuracy", "final accuracy"),
+        ("tokens_per_s", "tokens/s"),
+    ),
+    "evaluate": (
+        ("verdict", "verdict"),
+        ("engine", "engine"),
+        ("results.mean_acceptance_length", "acceptance length"),
+        ("results.acceptance_rate", "acceptance rate"),
+        ("results.speedup.1", "speedup @ concurrency 1 (x)"),
+        ("recommended_k", "recommended k"),
+    ),
+    "register": (("name", "model"), ("version", "version"), ("alias_status", "status")),
+}
+
+
+def stage_report(stage: str, summary: Mapping[str, Any], seconds: float, cache_hit: bool) -> str:
+    """One human line for the Prefect log: the stage's key figures, rounded, from its manifest summary."""
+    if cache_hit:
+        return f"{stage}: reused the finished stage with the same inputs"
+    figures = [f"{seconds:.1f} s"]
+    for key, label in KEY_FIGURES.get(stage, ()):
+        value: Any = summary
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value is None:
+            continue
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        figures.append(f"{label} {shown}")
+    return f"{stage}: done, " + ", ".join(figures)
+
+
 def execute_stage(
     ctx: CycleContext, stage: str, produce: Callable[[StageRun, OnStart], StageOutcome]
 ) -> StageOutcome:
@@ -89,6 +135,8 @@ def execute_stage(
     as a StageError carrying the log excerpt, so Prefect shows it too.
     """
     ctx.mark(stage, "started")
+    with suppress(MissingContextError):
+        get_run_logger().info(f"{stage}: started")
     started = time.perf_counter()
     try:
         with ctx.tracker.stage(stage) as stage_run:
@@ -123,4 +171,8 @@ def execute_stage(
         seconds=round(time.perf_counter() - started, 3), cache_hit=outcome.cache_hit
     )
     ctx.mark(stage, "done")
+    with suppress(MissingContextError):  # no Prefect run around (a direct call): nothing to log into
+        get_run_logger().info(
+            stage_report(stage, outcome.manifest.summary, ctx.timings[stage].seconds, outcome.cache_hit)
+        )
     return outcome
