@@ -283,6 +283,7 @@ def _attend(
     attn_bias: Tensor | None,
     scale: float,
     diagonal: list[KVPair] | None,
+    segments: Tensor | None = None,
 ) -> Tensor:
     """Attention of q [B, Hq, T, d] over keys [B, Hk, *, d]; returns [B, Hq, T, dv].
 
@@ -291,8 +292,24 @@ def _attend(
     Chain mode (``diagonal`` a list, possibly empty): the query at t sees the past keys through
     ``attn_bias`` (required) plus, at its own position only, each diagonal (k, v) and its own key —
     the training-time-test pattern, computed with elementwise products instead of a [T, T*steps] mask.
+    ``segments`` [B, T] (packed rows; replaces ``attn_bias``): the past keys are the row's own
+    positions, and query t sees key s <= t of the same sample. Compiled on CUDA this is one
+    document-aware FlexAttention call that skips the blocks across samples; elsewhere a dense mask.
     """
     batch, q_heads, length, _ = q.shape
+    if segments is not None:
+        if q.is_cuda and torch.compiler.is_compiling() and _flex_available():
+            chain_kv = [] if diagonal is None else [*diagonal, (own_k, own_v)]
+            first_k, first_v = (own_k, own_v) if diagonal is None else (past_k, past_v)
+            if first_k is None or first_v is None or first_k.shape[2] != length:
+                raise ValueError("packed attention needs past keys of the query length")
+            keys = torch.cat([first_k, *(k for k, _ in chain_kv)], dim=2)
+            values = torch.cat([first_v, *(v for _, v in chain_kv)], dim=2)
+            return _flex_chain(q, keys, values, length, len(chain_kv), scale, segments)
+        positions = torch.arange(length, device=q.device)
+        attn_bias = (segments[:, None, :, None] == segments[:, None, None, :]) & (
+            positions[None, :] <= positions[:, None]
+        )
     if diagonal is None:
         if past_k is not None and past_v is not None:
             keys = torch.cat((past_k, own_k), dim=2)
@@ -364,27 +381,54 @@ def _flex_available() -> bool:
     return True
 
 
-def _flex_chain(q: Tensor, keys: Tensor, values: Tensor, length: int, chain: int, scale: float) -> Tensor:
+def _flex_chain(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    length: int,
+    chain: int,
+    scale: float,
+    segments: Tensor | None = None,
+) -> Tensor:
     """Causal-past + diagonal-chain attention as one sparse FlexAttention call (CUDA).
 
     keys = cat(past [T], chain_1 [T], ..., chain_n [T]); query t sees past 0..t and entry t of each
-    chain segment. The block mask skips every off-diagonal block of the chain segments.
+    chain segment. The block mask skips every off-diagonal block of the chain segments. With
+    ``segments`` [B, T] (packed rows) a past key is visible only inside the query's own sample, and
+    the blocks between samples are skipped too (built per batch: the packing changes every batch).
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    cache_key = (length, chain, str(q.device))
-    block_mask = _BLOCK_MASKS.get(cache_key)
-    if block_mask is None:
+    block_mask: Any
+    if segments is not None:
 
-        def mask_mod(_b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return (kv_idx <= q_idx) | ((kv_idx >= length) & (kv_idx % length == q_idx))
+        def packed_mask_mod(b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            own_row = kv_idx % length
+            past = (kv_idx <= q_idx) & (segments[b, own_row] == segments[b, q_idx])
+            return torch.where(kv_idx < length, past, own_row == q_idx)
 
         block_mask = create_block_mask(
-            mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length * (chain + 1), device=q.device
+            packed_mask_mod,
+            B=segments.shape[0],
+            H=None,
+            Q_LEN=length,
+            KV_LEN=length * (chain + 1),
+            device=q.device,
         )
-        if len(_BLOCK_MASKS) > 256:  # lengths vary per batch: keep the cache bounded
-            _BLOCK_MASKS.clear()
-        _BLOCK_MASKS[cache_key] = block_mask
+    else:
+        cache_key = (length, chain, str(q.device))
+        block_mask = _BLOCK_MASKS.get(cache_key)
+        if block_mask is None:
+
+            def mask_mod(_b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return (kv_idx <= q_idx) | ((kv_idx >= length) & (kv_idx % length == q_idx))
+
+            block_mask = create_block_mask(
+                mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length * (chain + 1), device=q.device
+            )
+            if len(_BLOCK_MASKS) > 256:  # lengths vary per batch: keep the cache bounded
+                _BLOCK_MASKS.clear()
+            _BLOCK_MASKS[cache_key] = block_mask
     gqa = keys.shape[1] != q.shape[1]
     out = flex_attention(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     return cast(Tensor, out)
@@ -405,11 +449,12 @@ class _Attention(nn.Module):
         past: KVPair | None,
         attn_bias: Tensor | None,
         diagonal: list[KVPair] | None,
+        segments: Tensor | None = None,
     ) -> tuple[Tensor, KVPair]:
         """q [B, Hq, T, d], k/v [B, Hk, T, *] (post-RoPE) -> (o_proj output [B, T, H], (k, v))."""
         batch, _, length, _ = q.shape
         past_k, past_v = past if past is not None else (None, None)
-        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal)
+        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal, segments)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
 
 
@@ -440,6 +485,7 @@ class LlamaAttention(_Attention):
         past: KVPair | None,
         attn_bias: Tensor | None,
         diagonal: list[KVPair] | None,
+        segments: Tensor | None = None,
     ) -> tuple[Tensor, KVPair]:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
@@ -448,7 +494,7 @@ class LlamaAttention(_Attention):
         cos, sin = self.rotary.cos_sin(position_ids, q.dtype)
         q = self.rotary.rotate(q, cos, sin)
         k = self.rotary.rotate(k, cos, sin)
-        return self.attend_and_project(q, k, v, past, attn_bias, diagonal)
+        return self.attend_and_project(q, k, v, past, attn_bias, diagonal, segments)
 
 
 class MLAAttention(_Attention):
@@ -496,6 +542,7 @@ class MLAAttention(_Attention):
         past: KVPair | None,
         attn_bias: Tensor | None,
         diagonal: list[KVPair] | None,
+        segments: Tensor | None = None,
     ) -> tuple[Tensor, KVPair]:
         batch, length, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
@@ -510,7 +557,7 @@ class MLAAttention(_Attention):
         k_pe = self.rotary.rotate(k_pe.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)
         q = torch.cat((q[..., : self.nope_dim], q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        return self.attend_and_project(q, k, v, past, attn_bias, diagonal)
+        return self.attend_and_project(q, k, v, past, attn_bias, diagonal, segments)
 
 
 class MidLayer(nn.Module):
@@ -610,6 +657,7 @@ class Eagle3Drafter(nn.Module):
         past: list[KVPair] | None = None,
         attn_bias: Tensor | None = None,
         diagonal: list[KVPair] | None = None,
+        segments: Tensor | None = None,
     ) -> tuple[Tensor, KVPair]:
         """One drafter pass over T positions. Returns (prenorm hidden [B,T,H], (k, v) post-RoPE).
 
@@ -617,6 +665,8 @@ class Eagle3Drafter(nn.Module):
         ``attn_bias``: additive (or bool, True = visible) [T, S_past + T]; None = past visible + causal.
         ``diagonal`` (training-time test): (k, v) chunks [B, heads, T, d] where query t sees only entry
         t; then ``attn_bias`` [.., T, S_past] covers only ``past`` and the own key is diagonal too.
+        ``segments`` [B, T] (packed rows, instead of ``attn_bias``): which sample each position belongs
+        to; attention stays inside the sample (document-aware FlexAttention when compiled on CUDA).
         """
         layer = self.midlayer
         embeds = self.embed(input_ids).to(hidden.dtype)
@@ -625,7 +675,7 @@ class Eagle3Drafter(nn.Module):
         past_kv: KVPair | None = None
         if past:
             past_kv = (torch.cat([k for k, _ in past], dim=2), torch.cat([v for _, v in past], dim=2))
-        attn_out, kv = layer.self_attn(x, position_ids, past_kv, attn_bias, diagonal)
+        attn_out, kv = layer.self_attn(x, position_ids, past_kv, attn_bias, diagonal, segments)
         hidden_mid = residual + attn_out
         prenorm = hidden_mid + layer.mlp(layer.post_attention_layernorm(hidden_mid))
         return prenorm, kv

@@ -141,19 +141,17 @@ def _segments(batch: Mapping[str, Tensor]) -> Tensor:
     return torch.where(positions[None, :] < batch["lengths"][:, None], 0, -1)
 
 
-def _positions_and_mask(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-    """(position_ids [B, L], additive attention bias [B, 1, L, L] or None for plain causal)."""
+def _positions_and_segments(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """(position_ids [B, L], segment ids [B, L] of packed rows or None for one sample per row)."""
     input_ids = batch["input_ids"]
     bsz, length = input_ids.shape
-    positions = torch.arange(length, device=input_ids.device)
     if "segment_ids" not in batch:  # one sample per row: causal attention never reaches the padding
+        positions = torch.arange(length, device=input_ids.device)
         return positions[None, :].expand(bsz, length), None
-    segments = batch["segment_ids"]
-    # Block-diagonal causal: query t sees key s iff s <= t in the same sample (padding sees padding, so
-    # no row is fully masked). The same mask covers the step-0 keys in every TTT step.
-    visible = (segments[:, :, None] == segments[:, None, :]) & (positions[None, :] <= positions[:, None])
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=input_ids.device)
-    return batch["position_ids"], bias.masked_fill(~visible, float("-inf"))[:, None]
+    # Packed: the drafter keeps every query inside its sample (query t sees key s <= t of the same
+    # segment; padding sees padding, so no row is fully masked), with a document-aware block mask
+    # when compiled on CUDA, so the attention between samples is never computed.
+    return batch["position_ids"], batch["segment_ids"]
 
 
 def ttt_weights(batch: Mapping[str, Tensor], ttt_length: int) -> Tensor:
@@ -190,7 +188,7 @@ def ttt_loss(
     """
     input_ids = batch["input_ids"]
     length = input_ids.shape[1]
-    position_ids, attn_bias = _positions_and_mask(batch)
+    position_ids, segments = _positions_and_segments(batch)
     weights = ttt_weights(batch, ttt_length).float()
 
     with torch.no_grad():
@@ -215,7 +213,7 @@ def ttt_loss(
     for step in range(ttt_length):
         step_ids = ids_padded[:, 1 + step : 1 + step + length]
         if step0 is None:
-            hidden, kv = drafter(hidden, step_ids, position_ids, attn_bias=attn_bias)
+            hidden, kv = drafter(hidden, step_ids, position_ids, segments=segments)
             step0 = kv
         else:
             hidden, kv = drafter(
@@ -223,8 +221,8 @@ def ttt_loss(
                 step_ids,
                 position_ids + step,
                 past=[step0],
-                attn_bias=attn_bias,  # None: causal over the step-0 keys (FlexAttention on CUDA)
-                diagonal=chain,
+                diagonal=chain,  # causal over the step-0 keys (FlexAttention when compiled on CUDA)
+                segments=segments,
             )
             chain = [*chain, kv]
         weight = weights[step]

@@ -383,3 +383,40 @@ def test_export_with_other_layer_ids_is_refused_naming_both_sets(tmp_path: Path)
     config = json.loads((tmp_path / "forced" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == list(shifted.ids)
     assert config["draftloop"]["aux_layer_ids"] == trained
+
+
+def test_packed_flex_mask_equals_dense_segment_mask() -> None:
+    """The document-aware FlexAttention path (compiled CUDA training) computes what the dense segment
+    mask computes: each query sees only earlier keys of its own sample, plus its own chain entries."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from draftloop.kernels.drafter import _attend, _flex_chain
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 160, 16
+    # Row 0: samples of 70, 50 and 30 tokens then padding; row 1: one sample of 150 then padding.
+    segments = torch.full((batch, length), -1)
+    segments[0, :70], segments[0, 70:120], segments[0, 120:150] = 0, 1, 2
+    segments[1, :150] = 0
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q = rand(batch, heads, length, dim)
+    past = (rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim))
+    chain = [(rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim)) for _ in range(3)]
+    scale = dim**-0.5
+    # Step 0 (no chain) and a step with a chain of two earlier steps plus its own key.
+    dense0 = _attend(q, None, None, *past, None, scale, None, segments)
+    flex0 = _flex_chain(q, *past, length, 0, scale, segments)
+    dense2 = _attend(q, *past, *chain[2], None, scale, chain[:2], segments)
+    keys = torch.cat([past[0], *(k for k, _ in chain)], dim=2)
+    values = torch.cat([past[1], *(v for _, v in chain)], dim=2)
+    flex2 = _flex_chain(q, keys, values, length, 3, scale, segments)
+    torch.testing.assert_close(flex0, dense0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex2, dense2, atol=1e-5, rtol=1e-5)
+    # The mask keeps samples apart: changing sample 0's keys leaves sample 1's outputs alone.
+    changed = past[0].clone()
+    changed[0, :, :70] += 1.0
+    moved = _attend(q, None, None, changed, past[1], None, scale, None, segments)
+    torch.testing.assert_close(moved[0, :, 70:], dense0[0, :, 70:])
+    assert not torch.allclose(moved[0, :, :70], dense0[0, :, :70])
