@@ -17,9 +17,11 @@ from typer.testing import CliRunner
 
 from draftloop.cli import app
 from draftloop.commands.run import bad_input_behind
-from draftloop.infra.conversations import SynthesisResult, first_turns
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.conversations import REJECTED_SHARD, SynthesisResult, first_turns, read_conversations
 from draftloop.infra.datasets import DataError, read_input
-from draftloop.infra.storage import storage_options, write_bytes_atomic
+from draftloop.infra.storage import read_shard, storage_options, write_bytes_atomic
+from draftloop.tasks import synthesize
 from draftloop.tasks.cache import StageError
 
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.yaml"
@@ -276,3 +278,44 @@ def test_run_with_bad_data_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: p
     assert result.exit_code == 2
     assert result.stderr == f"data error: {source}:line 2: {BAD_ROWS[0][1]}\n" and result.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "in.jsonl"]  # no service started
+
+
+def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Synthesis (target and generation faked: no model) records what the input held in its manifest, and
+    the set-aside input rows in rejected.jsonl with file, line and reason."""
+    good = [json.dumps({"id": f"g{i}", "prompt": f"question {i}"}).encode() for i in range(20)]
+    source = _lines(tmp_path / "mixed.jsonl", *good[:5], b'{"id": "g0", "prompt": "dup"}', *good[5:])
+    config = ExperimentConfig.load(
+        TINY_LLAMA,
+        {
+            "engine.python": sys.executable,
+            "storage.root": str(tmp_path / "runs"),
+            "data.prompts": str(source),
+            "data.eval_prompts": 4,
+        },
+        base_dir=tmp_path,
+    )
+
+    def answer_all(_config: Any, _target: str, prompts: list[dict[str, Any]]) -> SynthesisResult:
+        result = SynthesisResult()
+        for prompt in prompts:
+            result.add_answer(prompt, f"answer to {prompt['id']}", None)
+        return result
+
+    monkeypatch.setattr(synthesize, "ensure_target", lambda _config: "fake-target")
+    monkeypatch.setattr(synthesize, "_generate_in_process", answer_all)
+    manifest = synthesize.run(config).manifest
+    assert manifest.summary["input_rows"] == 21 and manifest.summary["input_rejected"] == 1
+    assert manifest.summary["input_formats"] == ["prompt"] and manifest.summary["rows"] == 16
+    assert [c["id"] for c in read_conversations(manifest)] == [f"g{i}" for i in range(16)]
+    rejected = [json.loads(line) for line in read_shard(manifest, REJECTED_SHARD).decode().splitlines()]
+    assert rejected == [
+        {
+            "id": "g0",
+            "source": str(source),
+            "where": "line 6",
+            "reason": f"duplicate id 'g0' (first at {source}:line 1)",
+        }
+    ]
