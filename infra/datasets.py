@@ -15,19 +15,13 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
-from typing import Any, Literal
+from pathlib import Path, PurePosixPath
+from typing import Any
 
-from draftloop.infra.storage import (
-    BUILTIN_PROMPTS,
-    StorageOptions,
-    builtin_prompts_path,
-    filesystem,
-    is_local,
-)
+from draftloop.infra.storage import StorageOptions, filesystem, is_local
 
-DataFormat = Literal["auto", "prompt", "sharegpt", "openai"]
-BadRowPolicy = Literal["skip", "fail"]
+BUILTIN_PROMPTS = "builtin"  # data.prompts naming the prompts bundled with draftloop
+
 
 # ShareGPT speaker names seen in the wild -> chat roles
 _SHAREGPT_ROLES = {
@@ -78,6 +72,10 @@ class InputData:
             "input_rejected": len(self.rejected),
             "input_formats": sorted(set(self.formats.values())),
         }
+
+
+def builtin_prompts_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "draftloop" / "data" / "prompts.jsonl"
 
 
 def _input_files(source: str, options: StorageOptions | None) -> list[str]:

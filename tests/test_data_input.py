@@ -114,6 +114,12 @@ def test_openai_format_keeps_system_prompt(tmp_path: Path, suffix: str) -> None:
     assert [m["role"] for m in result.conversations[0]["messages"]] == ["system", "user", "assistant"]
 
 
+def test_builtin_prompts() -> None:
+    data = read_input("builtin")
+    assert len(data.rows) >= 300 and data.rejected == [] and list(data.formats.values()) == ["prompt"]
+    assert len({row["prompt"] for row in data.rows}) == len(data.rows)
+
+
 def test_folder_of_mixed_formats_detected_per_file(tmp_path: Path) -> None:
     folder = tmp_path / "data"
     folder.mkdir()

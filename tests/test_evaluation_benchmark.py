@@ -15,6 +15,7 @@ from test_evaluation_run import _sim, saved_drafter
 
 from draftloop.data.make_prompts import make_prompts
 from draftloop.infra.config import GateConfig
+from draftloop.infra.datasets import builtin_prompts_path
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.evaluation.benchmark import (
@@ -39,7 +40,6 @@ from draftloop.infra.evaluation.verdict import (
     LevelSpeedup,
     level_speedups,
 )
-from draftloop.infra.storage import builtin_prompts_path
 from draftloop.infra.tracking import CycleResults, description_table, evaluate_gate
 from draftloop.kernels.counters import SpecCounters
 

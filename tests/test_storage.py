@@ -15,10 +15,8 @@ from draftloop.infra import storage
 from draftloop.infra.storage import (
     DatasetWriter,
     ManifestNotFoundError,
-    PromptsError,
     ShardIntegrityError,
     ShardNotListedError,
-    load_prompts,
     read_manifest,
     read_shard,
 )
@@ -150,27 +148,6 @@ def test_storage_options_from_config_or_endpoint() -> None:
     assert storage.storage_options(_Config()) == expected
     assert storage.storage_options("http://127.0.0.1:9") == expected
     assert storage.storage_options(None) == {}
-
-
-def test_builtin_prompts_and_bad_lines(tmp_path: Path) -> None:
-    prompts = load_prompts("builtin")
-    assert len(prompts) >= 300
-    assert len({p.id for p in prompts}) == len(prompts)
-    assert len({p.prompt for p in prompts}) == len(prompts)
-    good = tmp_path / "p.jsonl"
-    good.write_text('{"id": "a", "prompt": "hello"}\n\n{"id": 2, "prompt": "bye"}\n')
-    assert [(p.id, p.prompt) for p in load_prompts(str(good))] == [("a", "hello"), ("2", "bye")]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": \n')
-    with pytest.raises(PromptsError) as error:
-        load_prompts(str(bad))
-    assert error.value.line == 2 and str(bad) in str(error.value)
-    missing_prompt = tmp_path / "m.jsonl"
-    missing_prompt.write_text('{"id": "a"}\n')
-    with pytest.raises(PromptsError, match=r"m\.jsonl:1: missing or empty 'prompt'"):
-        load_prompts(str(missing_prompt))
-    with pytest.raises(PromptsError, match="no such file"):
-        load_prompts(str(tmp_path / "absent.jsonl"))
 
 
 def test_builtin_prompts_match_their_generator() -> None:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from draftloop.cli import app
-from draftloop.infra.storage import load_prompts
+from draftloop.infra.datasets import read_input
 from draftloop.infra.zoo import EOS_TOKEN_ID, RECIPES, SPECIAL_TOKENS, create_tiny_model, ensure_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def cycle_eval_prompts() -> list[str]:
     """The prompts the tiny-deepseek cycle evaluates on: the last data.eval_prompts built-in prompts."""
     data = yaml.safe_load((REPO / "configs" / "tiny-deepseek.yaml").read_text())["data"]
     assert data["prompts"] == "builtin"
-    return [p.prompt for p in load_prompts("builtin")[-int(data["eval_prompts"]) :]]
+    return [row["prompt"] for row in read_input("builtin").rows[-int(data["eval_prompts"]) :]]
 
 
 def greedy_one_by_one(
@@ -151,7 +151,7 @@ def test_greedy_outputs_are_context_dependent_and_not_degenerate(
     recipe: str, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokenizer, model = _load(built[recipe], monkeypatch)
-    prompts = [p.prompt for p in load_prompts("builtin")[:8]]
+    prompts = [row["prompt"] for row in read_input("builtin").rows[:8]]
     outputs = _greedy(tokenizer, model, prompts, new_tokens=24)
     assert len({tuple(o) for o in outputs}) >= 6, "different prompts should mostly give different text"
     for out in outputs:
@@ -164,7 +164,7 @@ def test_greedy_continuations_are_learnable(built: dict[str, Path], monkeypatch:
     """A bigram/trigram table from some continuations predicts much of unseen ones: structure a drafter
     can learn (a target that is pure noise would score near 0 here)."""
     tokenizer, model = _load(built["tiny-llama"], monkeypatch)
-    prompts = [p.prompt for p in load_prompts("builtin")[:40]]
+    prompts = [row["prompt"] for row in read_input("builtin").rows[:40]]
     outputs = _greedy(tokenizer, model, prompts, new_tokens=32)
     train, held_out = outputs[:32], outputs[32:]
     tables: dict[int, dict[tuple[int, ...], collections.Counter[int]]] = {
