@@ -114,7 +114,9 @@ class TreeSampler:
                     self.peak_kib[pid] = hwm
                     if pid not in self.names:
                         try:
-                            self.names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+                            # Ray names its workers in their command line (ray::<actor>.<method>)
+                            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                            self.names[pid] = b" ".join(args[:3]).decode(errors="replace")[-100:]
                         except OSError:
                             self.names[pid] = "?"
             self.max_rss_sum_kib = max(self.max_rss_sum_kib, rss_sum)
@@ -295,6 +297,12 @@ def main() -> None:
             runs[f"train_{large}"]["peak_rss_mib"] / runs[f"train_{small}"]["peak_rss_mib"], 3
         ),
     }
+    for stage in ("extract", "train"):  # the largest instantaneous sum too (processes that coexisted)
+        record[f"{stage}_max_concurrent_rss_ratio_8x"] = round(
+            runs[f"{stage}_{large}"]["max_concurrent_rss_mib"]
+            / runs[f"{stage}_{small}"]["max_concurrent_rss_mib"],
+            3,
+        )
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k.endswith("_8x")}))
 
