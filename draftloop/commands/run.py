@@ -58,8 +58,13 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ):
         value = summary.get(key)
         table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
+    statuses = summary.get("speedup_status") or {}
     for concurrency, speedup in (summary.get("speedup") or {}).items():
-        table.add_row(f"speedup @ concurrency {concurrency}", f"{speedup:.3f}x")
+        status = str(statuses.get(concurrency, "ok"))
+        flag = "" if status == "ok" else f" ({status.split(':')[0]}: not a figure to act on)"
+        table.add_row(f"speedup @ concurrency {concurrency}", f"{speedup:.3f}x{flag}")
+    if summary.get("recommended_k") is not None:
+        table.add_row("recommended k", str(summary["recommended_k"]))
     registered = summary.get("registered_model") or {}
     if registered:
         table.add_row(
