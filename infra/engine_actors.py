@@ -109,7 +109,9 @@ def server_starter(
     actor, stopped on exit."""
 
     @contextlib.contextmanager
-    def start(name: str, drafter_dir: Path | None, num_speculative_tokens: int | None) -> Iterator[ServerProxy]:
+    def start(
+        name: str, drafter_dir: Path | None, num_speculative_tokens: int | None
+    ) -> Iterator[ServerProxy]:
         server = start_server_actor(
             engine, target_path, run_dir, name, drafter_dir, num_speculative_tokens, pids, **actor_options
         )

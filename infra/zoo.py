@@ -314,7 +314,7 @@ def build_tokenizer(seed: int, vocab_size: int = VOCAB_SIZE, thinking: bool = Fa
     if thinking:
         # Not special, as in real thinking models: decoding with skip_special_tokens (servers' default)
         # keeps </think> in the text, where reasoning parsers look for it.
-        wrapped._tokenizer.add_tokens(
+        wrapped.backend_tokenizer.add_tokens(
             [AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS]
         )
     return wrapped

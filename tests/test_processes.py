@@ -39,8 +39,11 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path:
     record.add("server", [leader.pid])
     started = time.monotonic()
     assert record.stop_all(grace_s=0.5) == [leader.pid]
-    assert time.monotonic() - started < 10
-    assert leader.wait(timeout=10) == -signal.SIGKILL
+    assert 0.5 <= time.monotonic() - started < 10  # TERM ignored for the whole grace period, then KILL
+    # stop_processes reaps its own children, so the exit status may be consumed already (Popen then
+    # reports 0): what counts is that the leader is gone.
+    assert leader.wait(timeout=10) in (-signal.SIGKILL, 0)
+    assert not is_alive(leader.pid)
     group = subprocess.run(["pgrep", "-g", str(leader.pid)], capture_output=True, text=True).stdout.split()
     assert not [pid for pid in group if is_alive(int(pid))]  # the child went too (a zombie at most)
     assert not record.path.exists()
