@@ -1,4 +1,4 @@
-"""The cycle's body, shared by the `train-and-eval` flow and the per-stage flows.
+"""The cycle's body, run by the `train-and-eval` flow (whole, or up to one stage).
 
 Only composition lives here: which stage feeds which, the cycle's MLflow parent run, Ray's lifetime,
 the summary. Caching is per stage (committed manifests keyed by config sections + upstream hashes,
@@ -150,7 +150,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 
 def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, Any]:
-    """The cycle's body, up to and including stage `until` (the per-stage flows stop early)."""
+    """The cycle's body, up to and including stage `until` (the per-stage deployments stop early)."""
+    if until not in STAGES:  # before anything is started or tracked
+        raise ValueError(f"until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
     logger = get_run_logger()
     started = time.perf_counter()
     config = params.load_config()

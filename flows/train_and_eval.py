@@ -1,4 +1,8 @@
-"""The `train-and-eval` flow: one full EAGLE-3 drafter cycle as one retryable Prefect run."""
+"""The `train-and-eval` flow: one full EAGLE-3 drafter cycle as one retryable Prefect run.
+
+`until` stops the cycle after one stage; prefect.yaml's per-stage deployments are this flow with `until` set
+(upstream stages come from the manifest cache when done).
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ def train_and_eval(
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
     drafter_init: str = "",
     overrides: dict[str, Any] = {},  # noqa: B006 - a literal so the form shows it; never mutated
+    until: str = "register",
 ) -> dict[str, Any]:
     """Train an EAGLE-3 drafter for the target and measure it in a real serving engine.
 
@@ -46,5 +51,16 @@ def train_and_eval(
         num_speculative_tokens: k, the tokens the drafter proposes per step when served.
         drafter_init: Drafter folder to fine-tune from; empty trains a new drafter.
         overrides: Any other config value by dotted key, e.g. {"training.lr": 0.001}.
+        until: Last stage to run: synthesize, extract, train, evaluate or register (the whole cycle).
     """
-    return run_cycle(TrainAndEvalParams(**locals()))
+    form = TrainAndEvalParams(
+        config=config,
+        target_path=target_path,
+        num_samples=num_samples,
+        epochs=epochs,
+        engine_kind=engine_kind,
+        num_speculative_tokens=num_speculative_tokens,
+        drafter_init=drafter_init,
+        overrides=overrides,
+    )
+    return run_cycle(form, until=until)

@@ -77,10 +77,10 @@ def run_cycle_in_process(
     env: FlowEnv, overrides: dict[str, Any] | None = None, until: str = "register"
 ) -> tuple[dict[str, Any], float]:
     """Run the cycle up to `until` through the real flow; (summary, seconds)."""
-    from draftloop.flows.stages import flow_until
+    from draftloop.flows.train_and_eval import train_and_eval
 
     started = time.perf_counter()
-    summary = flow_until(until)(config=str(env.config_path), overrides=overrides or {})
+    summary = train_and_eval(config=str(env.config_path), overrides=overrides or {}, until=until)
     return summary, time.perf_counter() - started
 
 

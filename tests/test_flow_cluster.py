@@ -73,9 +73,10 @@ def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
             monkeypatch.setenv(key, value)
         monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the cluster keeps token auth on
 
-        from draftloop.flows.stages import train_flow
+        from draftloop.flows.train_and_eval import train_and_eval
 
-        summary: dict[str, Any] = train_flow(
+        summary: dict[str, Any] = train_and_eval(
+            until="train",
             config=str(config_path),
             num_samples=16,
             overrides={

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from prefect.utilities.callables import parameter_schema
 
-from draftloop.flows.cycle import TrainAndEvalParams
-from draftloop.flows.stages import flow_until
+from draftloop.flows.cycle import TrainAndEvalParams, run_cycle
+from draftloop.flows.train_and_eval import train_and_eval
 from draftloop.infra.services import deployment_run_command
 from draftloop.tasks.cache import STAGES
 
@@ -20,9 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_form_fields_are_flat_with_config_defaults(stage: str) -> None:
-    schema = parameter_schema(flow_until(stage)).model_dump_for_openapi()
+def test_form_fields_are_flat_with_config_defaults() -> None:
+    schema = parameter_schema(train_and_eval).model_dump_for_openapi()
     fields: dict[str, Any] = schema["properties"]
     assert set(fields) == {
         "config",
@@ -33,7 +32,9 @@ def test_form_fields_are_flat_with_config_defaults(stage: str) -> None:
         "num_speculative_tokens",
         "drafter_init",
         "overrides",
+        "until",
     }
+    assert fields["until"]["default"] == STAGES[-1] == "register"
     assert fields["config"]["default"] == "configs/tiny-llama.yaml"
     assert fields["num_samples"]["default"] == DEFAULT_CONFIG["data"]["num_samples"] == 256
     assert fields["num_speculative_tokens"]["default"] == DEFAULT_CONFIG["engine"]["num_speculative_tokens"]
@@ -73,8 +74,23 @@ def test_deploy_reads_the_same_form_from_source() -> None:
     """`prefect deploy` builds the schema from the entrypoint's source, not the imported flow."""
     from prefect.utilities.callables import parameter_schema_from_entrypoint
 
-    imported = parameter_schema(flow_until("register")).model_dump_for_openapi()["properties"]
+    imported = parameter_schema(train_and_eval).model_dump_for_openapi()["properties"]
     from_source = parameter_schema_from_entrypoint(
         str(REPO_ROOT / "flows" / "train_and_eval.py") + ":train_and_eval"
     ).model_dump_for_openapi()["properties"]
     assert from_source == imported
+
+
+def test_each_stage_deployment_is_the_one_flow_stopped_after_its_stage() -> None:
+    deployments = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
+    by_name = {deployment["name"]: deployment for deployment in deployments}
+    assert set(by_name) == {"train-and-eval", *STAGES[:-1]}
+    for name, deployment in by_name.items():
+        assert deployment["entrypoint"] == "flows/train_and_eval.py:train_and_eval"
+        assert deployment["parameters"] == ({} if name == "train-and-eval" else {"until": name})
+        assert deployment["description"]
+
+
+def test_an_unknown_stage_is_refused_before_anything_runs() -> None:
+    with pytest.raises(ValueError, match=r"until: unknown stage 'deploy'; stages: synthesize, extract"):
+        run_cycle(TrainAndEvalParams(), until="deploy")

@@ -111,7 +111,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         os.environ.setdefault(key, value)
     # Imported only now: importing Prefect creates PREFECT_HOME, which must be the one set above (and
     # nothing may be created before the config is accepted).
-    from draftloop.flows.stages import flow_until
+    from draftloop.flows.train_and_eval import train_and_eval
     from draftloop.tasks.cycle import PROGRESS_LISTENERS
 
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # sqlite will not create it
@@ -137,7 +137,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
 
         PROGRESS_LISTENERS.append(on_event)
         try:
-            summary = flow_until(until)(config=str(config_path), overrides=overrides)
+            summary = train_and_eval(config=str(config_path), overrides=overrides, until=until)
         except Exception as error:
             progress.stop()
             bad_input = bad_input_behind(error)
