@@ -232,4 +232,5 @@ def test_engine_doctor_cli_on_a_native_target(zoo_target_dir: Callable[[str], Pa
         "eagle3_enabler": "applied",
         "kimi_media_alias": "noop",
         "cpu_rope_3d_query": "applied",
+        "cpu_hidden_states_writer": "applied",  # the CPU platform: the connector's writer needs it
     }
