@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 from fixtures_engine import write_config
 
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.evaluation.benchmark import ServerRun
+from draftloop.infra.evaluation.benchmark import ConcurrencyResult, ServerRun
 from draftloop.infra.evaluation.simulator import PromptFigures, SimulatorFigures
 from draftloop.infra.evaluation.verdict import (
     NUMERIC_TIE_NATS,
@@ -136,6 +137,31 @@ def test_replay_with_a_real_acceptance_gap_is_an_integration_fault() -> None:
     verdict, (comparison, reasons) = _verdict(0.30, _speculative(), simulator)
     assert verdict == VERDICT_FAULT and comparison.gap == pytest.approx(0.20)
     assert "on the same text" in reasons[0]
+
+
+def test_replay_weighs_each_prompt_as_often_as_the_engines_counters_saw_it() -> None:
+    """The CI case on tiny-deepseek: the concurrency-1 level sent 8 prompts, then two short repeats each
+    sent prompts 0 and 1 again, so the engine's counters count those two prompts three times. Weighted
+    by that mix the simulator's rate is the engine's exactly; unweighted it looked like a 0.07 gap."""
+    per_prompt = [(37, 26), (27, 37), (24, 41), (20, 43), (20, 43), (24, 39), (24, 39), (24, 40)]
+    simulator = _figures("replay", 0.5133, [(d, a, None) for d, a in per_prompt])
+    mix = [3, 3, 1, 1, 1, 1, 1, 1]
+    level = ConcurrencyResult(1, 12, 768, 1.0, 1.0, 0, [], {}, {}, {}, {}, None, mix)
+    run = dataclasses.replace(_speculative(), levels=[level])
+    engine = SpecCounters(
+        sum(m * d for m, (d, _) in zip(mix, per_prompt)), sum(m * d * K for m, (d, _) in zip(mix, per_prompt)),
+        sum(m * a for m, (_, a) in zip(mix, per_prompt)),
+    )
+    comparison = compare_acceptance(
+        {"acceptance_rate": engine.acceptance_rate, "concurrency": 1}, run, simulator
+    )
+    assert engine.acceptance_rate == pytest.approx(434 / 984)
+    assert comparison.gap == pytest.approx(0.0) and comparison.simulator_rate == pytest.approx(434 / 984)
+    # Without the level's prompt mix the comparison falls back to the unweighted rate.
+    unweighted = compare_acceptance(
+        {"acceptance_rate": engine.acceptance_rate, "concurrency": 1}, _speculative(), simulator
+    )
+    assert unweighted.gap == pytest.approx(0.5133 - 434 / 984)
 
 
 def test_free_running_divergent_prompts_are_excluded_with_per_request_counters() -> None:

@@ -103,6 +103,9 @@ class ConcurrencyResult:
     tpot_s: dict[str, float | None]
     itl_s: dict[str, float | None]
     counters: dict[str, Any] | None = None  # SpecCounters.to_json() of this level (speculative only)
+    # Completed requests per prompt index over the level's repeats: the prompt mix its counters cover
+    # (repeats cycle the prompts, so some prompts weigh more than others in the level's counters).
+    prompt_requests: list[int] | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ConcurrencyResult:
@@ -379,10 +382,16 @@ def _repeat_figures(results: Sequence[RequestResult], duration: float) -> Repeat
 
 
 def _level_result(
-    concurrency: int, repeats: Sequence[tuple[list[RequestResult], float]], counters: SpecCounters | None
+    concurrency: int,
+    repeats: Sequence[tuple[list[RequestResult], float]],
+    counters: SpecCounters | None,
+    num_prompts: int,
 ) -> ConcurrencyResult:
     figures = [_repeat_figures(results, duration) for results, duration in repeats]
     ok = [r for results, _ in repeats for r in results if r.error is None]
+    prompt_requests = [0] * num_prompts
+    for request in ok:
+        prompt_requests[request.index % num_prompts] += 1
     throughput = spread([f.output_tokens_per_s for f in figures])
     return ConcurrencyResult(
         concurrency=concurrency,
@@ -397,6 +406,7 @@ def _level_result(
         tpot_s=spread([f.tpot_p50_s for f in figures], [t for r in ok if (t := r.tpot_s) is not None]),
         itl_s=spread([f.itl_p50_s for f in figures], [gap for r in ok for gap in r.itl_s]),
         counters=counters.to_json() if counters is not None and counters.num_drafts > 0 else None,
+        prompt_requests=prompt_requests,
     )
 
 
@@ -464,7 +474,7 @@ def benchmark_server(
                     repeats.append((results, duration))
                 every = [r for results, _ in repeats for r in results]
                 counters = _counters_between(engine, before, server, every)
-                measured.append(_level_result(level, repeats, counters))
+                measured.append(_level_result(level, repeats, counters, len(prompt_ids)))
             open_loop = [
                 await _measure_rate(client, prompt_ids, float(rate), plan) for rate in plan.request_rates
             ]

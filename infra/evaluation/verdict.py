@@ -125,6 +125,31 @@ def _rate(accepted: float, draft_tokens: float) -> float | None:
     return accepted / draft_tokens if draft_tokens > 0 else None
 
 
+def _prompt_mix(
+    engine: Mapping[str, Any] | None, speculative: ServerRun, num_prompts: int
+) -> list[int] | None:
+    """Requests per prompt behind the engine's counters (the level they were read from), if recorded."""
+    if engine is None:
+        return None
+    for level in speculative.levels:
+        if level.concurrency == engine.get("concurrency"):
+            mix = level.prompt_requests
+            return mix if mix is not None and len(mix) == num_prompts else None
+    return None
+
+
+def _weighted_rate(simulator: SimulatorFigures, mix: Sequence[int] | None) -> float | None:
+    """The simulator's rate over the same prompt mix as the engine's counters: the level's repeats cycle
+    the prompts, so a prompt sent twice weighs twice there (without this, a short prompt list whose
+    first prompts are repeated shifts the engine's rate away from the simulator's on identical text)."""
+    if mix is None or not simulator.prompts or all(count == 1 for count in mix):
+        return simulator.acceptance_rate
+    return _rate(
+        sum(count * p.num_accepted_tokens for count, p in zip(mix, simulator.prompts, strict=True)),
+        sum(count * p.num_draft_tokens for count, p in zip(mix, simulator.prompts, strict=True)),
+    )
+
+
 def compare_acceptance(
     engine: Mapping[str, Any] | None,
     speculative: ServerRun,
@@ -142,9 +167,8 @@ def compare_acceptance(
     ]
     if simulator.method != "free_running" or not divergent:
         method = "all_prompts" if simulator.method == "free_running" else simulator.method
-        return AcceptanceComparison(
-            method, engine_rate, simulator.acceptance_rate, True, divergent, [], near_ties
-        )
+        simulator_rate = _weighted_rate(simulator, _prompt_mix(engine, speculative, len(simulator.prompts)))
+        return AcceptanceComparison(method, engine_rate, simulator_rate, True, divergent, [], near_ties)
     # Free running and some texts differ: the engine's aggregate counters cover those prompts too, so
     # compare only the prompts whose texts agree, which needs the engine's counters per request.
     per_request = speculative.prompt_counters()
