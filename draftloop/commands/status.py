@@ -1,0 +1,170 @@
+"""`draftloop status`: the experiment's recent cycles from MLflow, newest first, with their verdicts.
+
+Each cycle is one parent run (tag `draftloop.kind = cycle`); its figures come from the `summary.json`
+the flow logs on it (also for a failed cycle), or from the run's metrics while that is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from draftloop.infra.config import ConfigError, ExperimentConfig
+
+# The same default as `draftloop run`/`demo` and the flow's form: its store is `draftloop up`'s.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
+CYCLE_FILTER = "tags.`draftloop.kind` = 'cycle'"
+
+
+@dataclass
+class CycleRow:
+    """One line of `draftloop status`."""
+
+    started: str  # local time, minutes
+    name: str
+    status: str  # MLflow run status, lower case: finished, failed, killed, running
+    verdict: str
+    acceptance_length: str
+    speedup_c1: str
+    model_version: str
+    gate: str
+
+
+def _figure(value: Any, suffix: str = "") -> str:
+    return f"{value:.2f}{suffix}" if isinstance(value, int | float) else "-"
+
+
+def _load_summary(client: Any, run_id: str) -> dict[str, Any] | None:
+    """The cycle's summary.json, or None (a running cycle has none yet; a crash may leave none)."""
+    with tempfile.TemporaryDirectory(prefix="draftloop-status-") as scratch:
+        try:
+            path = client.download_artifacts(run_id, "summary.json", scratch)
+            loaded: dict[str, Any] = json.loads(Path(path).read_text())
+        except Exception:  # absent or unreadable: the row shows what the run itself holds
+            return None
+        return loaded
+
+
+def cycle_row(client: Any, run: Any) -> CycleRow:
+    summary = _load_summary(client, run.info.run_id) or {}
+    metrics = run.data.metrics
+    length = summary.get("mean_acceptance_length", metrics.get("mean_acceptance_length"))
+    speedup = (summary.get("speedup") or {}).get("1", metrics.get("speedup_c1"))
+    speedup_text = _figure(speedup, "x")
+    flag = str((summary.get("speedup_status") or {}).get("1", "ok"))
+    if speedup is not None and flag != "ok":
+        speedup_text += f" ({flag.split(':')[0]})"  # a flagged figure is not one to act on
+    registered = summary.get("registered_model") or {}
+    if registered:
+        model_version = f"{registered.get('name')} v{registered.get('version')}"
+        gate_info = registered.get("gate") or {}
+        if registered.get("champion"):
+            gate = "passed: champion"
+        else:
+            gate = "rejected: " + "; ".join(gate_info.get("reasons") or ["gate not passed"])
+    else:
+        until = run.data.tags.get("draftloop.until", "register")
+        model_version = "-"
+        gate = f"not registered (until {until})" if until != "register" else "-"
+    return CycleRow(
+        started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
+        name=run.info.run_name or run.info.run_id,
+        status=str(run.info.status).lower(),
+        verdict=str(summary.get("verdict") or "-"),
+        acceptance_length=_figure(length),
+        speedup_c1=speedup_text,
+        model_version=model_version,
+        gate=gate,
+    )
+
+
+def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleRow] | None:
+    """The `limit` newest cycles of `experiment`, newest first; None when the experiment does not exist."""
+    # Imported here: mlflow is slow to import for the other commands. Importing tracking also turns
+    # MLflow's download progress bars off (an environment default it sets).
+    from mlflow.tracking import MlflowClient
+
+    from draftloop.infra.tracking import resolve_tracking_uri
+
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = client.search_runs(
+        [found.experiment_id],
+        filter_string=CYCLE_FILTER,
+        order_by=["attributes.start_time DESC"],
+        max_results=limit,
+    )
+    return [cycle_row(client, run) for run in runs]
+
+
+def cycles_table(rows: list[CycleRow], title: str) -> Table:
+    table = Table(title=title)
+    for column in (
+        "started",
+        "cycle",
+        "status",
+        "verdict",
+        "AL",
+        "speedup @ c=1",
+        "model version",
+        "gate",
+    ):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row.started,
+            row.name,
+            row.status,
+            row.verdict,
+            row.acceptance_length,
+            row.speedup_c1,
+            row.model_version,
+            row.gate,
+        )
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    """Add `status` to the `draftloop` app."""
+
+    @app.command()
+    def status(
+        config: Path = typer.Option(
+            DEFAULT_CONFIG, "--config", help="Experiment config whose MLflow store and experiment to read."
+        ),
+        tracking_uri: str | None = typer.Option(
+            None,
+            "--tracking-uri",
+            help="MLflow store or server instead of the config's, e.g. http://127.0.0.1:5000",
+        ),
+        limit: int = typer.Option(10, "--limit", min=1, help="How many recent cycles to list."),
+    ) -> None:
+        """List the recent cycles: when, status, verdict, acceptance length, speedup, model version, gate."""
+        try:
+            # Only the tracking section is read: no engine or storage probe.
+            loaded = ExperimentConfig.load(config, check_environment=False)
+        except ConfigError as error:
+            typer.echo(f"config error: {error.field}: {error.reason}", err=True)
+            raise typer.Exit(code=2) from None
+        uri = tracking_uri or loaded.tracking.mlflow_uri
+        local_db = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
+        if local_db is not None and not Path(local_db).exists():
+            # Opening it would create an empty store; nothing has run against it yet.
+            typer.echo(f"no cycles recorded yet: no MLflow database at {local_db}")
+            return
+        experiment = loaded.tracking.experiment
+        rows = recent_cycles(uri, experiment, limit)
+        if not rows:
+            typer.echo(f"no cycles recorded yet in experiment {experiment!r} at {uri}")
+            return
+        Console().print(cycles_table(rows, title=f"recent cycles: experiment {experiment!r} at {uri}"))
