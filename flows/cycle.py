@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import ray._private.worker as ray_worker
 import yaml
@@ -25,6 +27,8 @@ from pydantic import BaseModel, Field
 
 from draftloop.infra import actors
 from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.processes import PidRecord, pid_records_dir, reap_dead_records
+from draftloop.infra.redaction import install_log_redaction, redact, register_secrets, secret_values
 from draftloop.infra.tracking import StageRun, Tracker, flatten_params
 from draftloop.tasks.cache import STAGES
 from draftloop.tasks.cycle import CycleContext, cycle_pids, run_folder_uri
@@ -37,6 +41,9 @@ from draftloop.tasks.train import train_stage
 # Tokenizers must not start a thread pool in every Ray worker (read when a tokenizer first runs).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEFAULT_CONFIG = "configs/tiny-llama.yaml"
 # The form shows the default config's own values (read once at import, so they never drift from the file).
@@ -85,6 +92,23 @@ def _run_id() -> str:
     return str(current_flow_run.id) if current_flow_run.id else uuid.uuid4().hex
 
 
+def _record_driver_services() -> None:
+    """Record the ephemeral Prefect server this driver started (Prefect runs one per process when no
+    PREFECT_API_URL is set), so that the next run stops it if this driver is killed."""
+    # Not imported (seconds of start-up) unless Prefect started a server in this process already.
+    server_module = sys.modules.get("prefect.server.api.server")
+    if server_module is None:
+        return
+    pids = [
+        server.server_process.pid
+        # Prefect keeps its ephemeral servers in this registry (one per port); there is no public one.
+        for server in server_module.SubprocessASGIServer._instances.values()
+        if server.server_process is not None and server.server_process.poll() is None
+    ]
+    if pids:
+        PidRecord(pid_records_dir() / f"driver-{os.getpid()}.json").add("prefect-server", pids)
+
+
 def _record_ray_pids(ctx: CycleContext) -> None:
     """Ray's head processes started by this driver, so a cancelled/crashed run can stop them by PID."""
     node = ray_worker._global_node
@@ -97,6 +121,7 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
     """summary.json: acceptance, speedup per concurrency, registered version, stage timings, cache hits."""
     evaluation = ctx.outcomes.get("evaluate")
     registration = ctx.outcomes.get("register")
+    training = ctx.outcomes["train"].manifest.summary if "train" in ctx.outcomes else {}
     results = evaluation.manifest.summary.get("results", {}) if evaluation else {}
     return {
         "run_id": ctx.run_id,
@@ -115,6 +140,14 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "throughput": results.get("throughput"),
         "recommended_k": results.get("recommended_k"),
         "k_sweep": evaluation.manifest.summary.get("k_sweep") if evaluation else None,
+        # The drafter evaluated and registered: the training epoch with the best held-out acceptance.
+        "drafter_epoch": {
+            "exported_epoch": training.get("exported_epoch"),
+            "held_out_acceptance_length": training.get("exported_held_out_acceptance_length"),
+            "per_epoch": training.get("held_out_acceptance_length"),
+        }
+        if training
+        else None,
         "registered_model": registration.manifest.summary if registration else None,
         "stages": {
             name: {"seconds": timing.seconds, "cache_hit": timing.cache_hit, "uri": ctx.outcomes[name].uri}
@@ -153,13 +186,20 @@ def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, 
     """The cycle's body, up to and including stage `until` (the per-stage deployments stop early)."""
     if until not in STAGES:  # before anything is started or tracked
         raise ValueError(f"until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
+    install_log_redaction()
     logger = get_run_logger()
+    reaped = reap_dead_records()  # what a killed earlier run left running (its driver is gone)
+    if reaped:
+        logger.info("stopped %d process(es) left by a run whose driver died: %s", len(reaped), reaped)
+    _record_driver_services()
     started = time.perf_counter()
     config = params.load_config()
     run_id = _run_id()
     tracker = Tracker.from_config(config)
     ctx = CycleContext(config=config, run_id=run_id, tracker=tracker, run_uri=run_folder_uri(config, run_id))
-    dumped = config.model_dump(mode="json")
+    ctx.pids.claim()
+    register_secrets(secret_values(config.model_dump(mode="json")))
+    dumped = redact(config.model_dump(mode="json"))  # what is shown (params, config.json): no secrets
     cycle_run = tracker.start_cycle(
         run_name=f"{config.name}-{run_id[:8]}",
         params=flatten_params(dumped),
@@ -230,3 +270,22 @@ CYCLE_FLOW_HOOKS: dict[str, Any] = {
     "on_cancellation": [stop_started_resources],
     "on_crashed": [stop_started_resources],
 }
+
+
+class CycleFlow(Flow[P, R]):
+    """A cycle flow: its parameters are stored in Prefect's API with secrets redacted (`--set
+    engine.api_key=...` reaches the run, not the UI), and it stops what its run started when the run
+    is cancelled or crashes."""
+
+    def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        shown: dict[str, Any] = redact(super().serialize_parameters(parameters))
+        return shown
+
+
+def cycle_flow(name: str) -> Callable[[Callable[P, R]], CycleFlow[P, R]]:
+    """`@flow(name=..., log_prints=True)` for a cycle flow (a `CycleFlow` with CYCLE_FLOW_HOOKS)."""
+
+    def make(fn: Callable[P, R]) -> CycleFlow[P, R]:
+        return CycleFlow(fn, name=name, log_prints=True, **CYCLE_FLOW_HOOKS)
+
+    return make

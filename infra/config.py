@@ -21,10 +21,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from draftloop.infra import zoo
-from draftloop.infra.engines.base import EngineConfigError, EngineSettings, convention_for, engine_class
+from draftloop.infra.engines.base import (
+    EngineConfigError,
+    EngineSettings,
+    convention_for,
+    engine_class,
+    is_loopback,
+)
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -48,6 +62,9 @@ class TargetConfig(_Section):
     path: str
     create: str | None = None  # zoo recipe that builds `path` when it is missing
     seed: int = 0
+    # Run the Python code a model folder ships (transformers' and the engine's trust_remote_code) only
+    # when the config names the target as trusted.
+    trust_remote_code: bool = False
 
 
 class DataConfig(_Section):
@@ -120,6 +137,10 @@ class TrainingConfig(_Section):
     # torch.compile the TTT loss: ~2x faster on CUDA after ~2 min of compilation (bench/RESULTS.md).
     # null = on when training runs on a GPU, off on CPU (tiny models would spend longer compiling).
     compile: bool | None = None
+    # Samples kept out of training (at most a tenth of the data): after every epoch the drafter's
+    # teacher-forced acceptance length on them goes to MLflow, and the best epoch is the one exported.
+    # 0 = export the last epoch.
+    held_out_samples: int = Field(default=32, ge=0)
 
 
 class EngineConfig(_Section):
@@ -133,6 +154,19 @@ class EngineConfig(_Section):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     num_gpus: float = Field(default=0, ge=0)
+    # The address engine servers bind. Anything but loopback exposes the server to the network, so it
+    # then requires `api_key` (clients send it as a bearer token; it is redacted from logs and MLflow).
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+
+    @model_validator(mode="after")
+    def _exposed_server_has_key(self) -> EngineConfig:
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(
+                f"engine.host {self.host!r} exposes the engine server beyond this machine: "
+                "set engine.api_key (or bind engine.host to 127.0.0.1)"
+            )
+        return self
 
     def settings(self) -> EngineSettings:
         """This section as the engine modules take it."""
@@ -147,6 +181,8 @@ class EngineConfig(_Section):
             extra_args=tuple(self.extra_args),
             env=dict(self.env),
             num_gpus=self.num_gpus,
+            host=self.host,
+            api_key=self.api_key,
         )
 
     @field_validator("kind")

@@ -14,6 +14,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,43 @@ import torch.distributed as dist
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.storage import Manifest, StorageOptions, read_shard
 from draftloop.kernels.checkpoint import load_drafter, load_target_head
-from draftloop.kernels.data import ShardedSamples, ShardRef
+from draftloop.kernels.data import ShardedSamples, ShardRef, split_held_out
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
+from draftloop.kernels.simulate import teacher_forced_acceptance
 from draftloop.kernels.train import TrainConfig, train_drafter
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
 
 CHECKPOINT_DONE = "COMPLETE"
+BEST_WEIGHTS = "best-drafter.pt"
+BEST_RECORD = "best.json"
 Sample = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class _BestEpoch:
+    """The epoch with the highest held-out acceptance length so far (its weights in the work folder, so
+    a resumed run still exports it)."""
+
+    epoch: int | None = None
+    length: float | None = None
+
+    @classmethod
+    def load(cls, work: Path) -> _BestEpoch:
+        record = work / BEST_RECORD
+        if not record.exists():
+            return cls()
+        data = json.loads(record.read_text())
+        return cls(int(data["epoch"]), float(data["length"]))
+
+    def update(self, work: Path, epoch: int, length: float, drafter: Eagle3Drafter) -> None:
+        self.epoch, self.length = epoch, length
+        work.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
+        torch.save(weights, work / f"{BEST_WEIGHTS}.tmp")
+        (work / f"{BEST_WEIGHTS}.tmp").replace(work / BEST_WEIGHTS)  # the record follows the weights
+        (work / BEST_RECORD).write_text(json.dumps({"epoch": epoch, "length": length}))
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -43,11 +72,12 @@ def latest_checkpoint(folder: Path) -> Path | None:
 
 
 def _hidden_shards(
-    manifest: Manifest, options: StorageOptions, window_shards: int, prefetch_shards: int
-) -> ShardedSamples:
-    """The dataset's hidden-state shards, each read (integrity-checked) only when training needs it."""
+    manifest: Manifest, options: StorageOptions, window_shards: int, prefetch_shards: int, held_out: int
+) -> tuple[ShardedSamples, Callable[[], list[Sample]]]:
+    """The dataset's training shards, each read (integrity-checked) only when training needs it, and a
+    reader of the `held_out` samples kept out of them (for the per-epoch acceptance estimate)."""
 
-    def load_shard(name: str) -> list[Sample]:
+    def read_samples(name: str) -> list[Sample]:
         tensors, _ = shard_from_bytes(read_shard(manifest, name, options))
         return [{k: v.clone() for k, v in sample.items()} for sample in iter_hidden_samples(tensors)]
 
@@ -57,7 +87,24 @@ def _hidden_shards(
         for info in manifest.shards
         if info.name.endswith(".safetensors")
     ]
-    return ShardedSamples(shards, load_shard, window_shards=window_shards, prefetch_shards=prefetch_shards)
+    training, plan = split_held_out(shards, held_out, seed=0)
+    kept = {shard.name: shard.num_samples for shard in training}
+
+    def load_training(name: str) -> list[Sample]:
+        return read_samples(name)[: kept[name]]
+
+    def load_held_out() -> list[Sample]:
+        return [s for name, count in plan.per_shard.items() for s in read_samples(name)[-count:]]
+
+    data = ShardedSamples(
+        training, load_training, window_shards=window_shards, prefetch_shards=prefetch_shards
+    )
+    return data, load_held_out
+
+
+def held_out_count(num_samples: int, requested: int) -> int:
+    """Samples held out for the per-epoch acceptance estimate: as requested, at most a tenth of the data."""
+    return min(requested, num_samples // 10)
 
 
 def _draft_vocab_counts(data: ShardedSamples, vocab_size: int, rank: int, world: int) -> torch.Tensor:
@@ -120,11 +167,14 @@ def train_worker(
 
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
-    data = _hidden_shards(
-        Manifest.model_validate(loop["manifest"]),
+    manifest = Manifest.model_validate(loop["manifest"])
+    total = sum(info.rows for info in manifest.shards if info.name.endswith(".safetensors"))
+    data, load_held_out = _hidden_shards(
+        manifest,
         loop["storage_options"],
         loop["shuffle_window_shards"],
         loop["prefetch_shards"],
+        held_out_count(total, int(loop["held_out_samples"])),
     )
     drafter, lm_head = _build_drafter(loop, data, rank, world)
     work = Path(loop["work_dir"])
@@ -141,8 +191,25 @@ def train_worker(
             dist.broadcast(tensor, src=0)
     settings = TrainConfig(**loop["train_config"])
 
+    # Rank 0 estimates acceptance on the held-out samples after every epoch and keeps the best epoch's
+    # weights: that epoch is exported (later epochs may overfit a small dataset).
+    held_out = load_held_out() if rank == 0 else []
+    best = _BestEpoch.load(work) if checkpoint is not None else _BestEpoch()
+    head_on_device = lm_head.to(device) if held_out else lm_head
+    acceptance_k = int(loop["acceptance_k"])
+
     def on_epoch(epoch: int, summary: dict[str, Any]) -> None:
-        report({"epoch": epoch, "loss": float(summary["loss"]), "steps": int(summary["steps"])})
+        figures = {"epoch": epoch, "loss": float(summary["loss"]), "steps": int(summary["steps"])}
+        if held_out:
+            drafter.eval()
+            estimate = teacher_forced_acceptance(drafter, held_out, head_on_device, k=acceptance_k)
+            drafter.train()
+            length = estimate.mean_acceptance_length
+            summary["held_out_acceptance_length"] = length
+            figures["held_out_acceptance_length"] = float(length or 0.0)
+            if length is not None and (best.length is None or length > best.length):
+                best.update(work, epoch, length, drafter)
+        report(figures)
 
     def on_checkpoint(state: dict[str, Any]) -> None:
         if rank != 0:
@@ -174,10 +241,18 @@ def train_worker(
     if rank == 0:
         final = work / "final"
         shutil.rmtree(final, ignore_errors=True)
+        exported = drafter.cpu()
+        if best.epoch is not None:
+            exported.load_state_dict(torch.load(work / BEST_WEIGHTS, weights_only=True), strict=False)
         get_engine(loop["engine"]).export_drafter(
-            drafter.cpu(),
+            exported,
             final / "drafter",
-            metadata={**loop["drafter_metadata"], "epochs": settings.epochs, "final": result.final_metrics},
+            metadata={
+                **loop["drafter_metadata"],
+                "epochs": settings.epochs,
+                "final": result.final_metrics,
+                "exported_epoch": best.epoch if best.epoch is not None else settings.epochs - 1,
+            },
         )
         new_steps = result.history[len(resume_state["history"]) if resume_state else 0 :]
         # Sample tokens each step trained on, over every worker (padding not counted).
@@ -193,6 +268,9 @@ def train_worker(
                     "samples": data.num_samples,
                     "workers": world,
                     "trained_tokens": trained_tokens,
+                    "held_out_samples": len(held_out),
+                    "best_epoch": best.epoch,
+                    "best_held_out_acceptance_length": best.length,
                 }
             )
         )

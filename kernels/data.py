@@ -29,7 +29,7 @@ from types import TracebackType
 
 from torch import Tensor
 
-__all__ = ["SampleKey", "ShardRef", "ShardedSamples", "StepShare"]
+__all__ = ["HeldOut", "SampleKey", "ShardRef", "ShardedSamples", "StepShare", "split_held_out"]
 
 # (shard index in the dataset's shard list, sample index inside the shard)
 SampleKey = tuple[int, int]
@@ -50,6 +50,41 @@ class StepShare:
     step_samples: int  # samples of the whole step, over all ranks
     keys: list[SampleKey]  # this rank's samples, in global order
     samples: list[Mapping[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Samples kept out of training: the last ``per_shard[name]`` samples of each named shard."""
+
+    per_shard: dict[str, int]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.per_shard.values())
+
+
+def split_held_out(shards: Sequence[ShardRef], num_samples: int, seed: int) -> tuple[list[ShardRef], HeldOut]:
+    """Hold ``num_samples`` samples out of training, taken from as few shards as possible (so reading
+    them each epoch costs a shard or two, whatever the dataset's size): shards in a seeded order, each
+    giving its last samples until enough are held out. Returns the training shards (counts reduced,
+    emptied shards dropped) and the held-out plan; every sample is in exactly one of the two."""
+    order = list(range(len(shards)))
+    random.Random(f"held-out:{seed}").shuffle(order)
+    remaining = max(0, num_samples)
+    held: dict[str, int] = {}
+    for index in order:
+        if remaining == 0:
+            break
+        take = min(remaining, shards[index].num_samples)
+        if take:
+            held[shards[index].name] = take
+            remaining -= take
+    training = []
+    for shard in shards:
+        kept = shard.num_samples - held.get(shard.name, 0)
+        if kept > 0:
+            training.append(ShardRef(shard.name, kept, shard.work * kept // max(1, shard.num_samples)))
+    return training, HeldOut(held)
 
 
 class ShardedSamples:

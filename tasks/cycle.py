@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,8 @@ from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
 from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.processes import PidRecord, state_dir
+from draftloop.infra.processes import PidRecord, pid_records_dir
+from draftloop.infra.services import hold_gpus, stage_gpus
 from draftloop.infra.storage import join, storage_options, write_text_atomic
 from draftloop.infra.tracking import StageRun, Tracker, error_excerpt
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork
@@ -33,8 +34,9 @@ def run_folder_uri(config: ExperimentConfig, run_id: str) -> str:
 
 
 def cycle_pids(run_id: str) -> PidRecord:
-    """The processes run `run_id` started (engine servers, its Ray head), for cancellation hooks."""
-    return PidRecord(state_dir() / "cycles" / run_id / "pids.json")
+    """The processes run `run_id` started (engine servers, its Ray head), for cancellation hooks and
+    for the reaper of the next run (`reap_dead_records`) should its driver die."""
+    return PidRecord(pid_records_dir() / f"cycle-{run_id}.json")
 
 
 @dataclass
@@ -95,6 +97,8 @@ KEY_FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
         ("epochs", "epochs"),
         ("final_loss", "final loss"),
         ("final_accuracy", "final accuracy"),
+        ("held_out_acceptance_length", "held-out AL per epoch"),
+        ("exported_epoch", "exported epoch"),
         ("tokens_per_s", "tokens/s"),
     ),
     "evaluate": (
@@ -120,7 +124,10 @@ def stage_report(stage: str, summary: Mapping[str, Any], seconds: float, cache_h
             value = value.get(part) if isinstance(value, Mapping) else None
         if value is None:
             continue
-        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        if isinstance(value, list):
+            shown = "[" + ", ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in value) + "]"
+        else:
+            shown = f"{value:.3g}" if isinstance(value, float) else str(value)
         figures.append(f"{label} {shown}")
     return f"{stage}: done, " + ", ".join(figures)
 
@@ -139,9 +146,12 @@ def execute_stage(
         get_run_logger().info(f"{stage}: started")
     started = time.perf_counter()
     try:
-        with ctx.tracker.stage(stage) as stage_run:
+        with ctx.tracker.stage(stage) as stage_run, ExitStack() as gpu_slots:
 
             def on_start(work: StageWork) -> None:
+                # A stage that really runs (not a cache hit) holds its GPUs' slots of the shared `gpus`
+                # limit until it ends, so two cycles never take the same GPUs.
+                gpu_slots.enter_context(hold_gpus(stage_gpus(ctx.config, stage)))
                 ctx.mark(stage, "running")
                 stage_run.set_tags({"draftloop.cache_key": work.key, "draftloop.uri": work.uri})
 

@@ -70,6 +70,8 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
         "work_dir": str(folder),
         "shuffle_window_shards": int(section.shuffle_window_shards),
         "prefetch_shards": int(section.prefetch_shards),
+        "held_out_samples": int(section.held_out_samples),
+        "acceptance_k": int(config.engine.num_speculative_tokens),
         "train_config": {
             "ttt_length": int(section.ttt_length),
             "epochs": int(section.epochs),
@@ -138,10 +140,16 @@ def run(
             }
             for r in result["history"]
         ]
+        held_out = [
+            {"epoch": e["epoch"], "held_out_acceptance_length": e["held_out_acceptance_length"]}
+            for e in result["epochs"]
+            if e.get("held_out_acceptance_length") is not None
+        ]
         with tempfile.TemporaryDirectory(prefix="draftloop-train-") as scratch:
             curves = plot_training_curves(history, Path(scratch) / "training_curves.png")
             if stage_run is not None:
                 stage_run.log_metric_history(history)
+                stage_run.log_metric_history(held_out, step_key="epoch")
                 stage_run.log_artifact(curves, "plots")
                 stage_run.log_artifact(final / "drafter", "drafter")
             writer = DatasetWriter(work.uri, storage_options=storage_options(config))
@@ -170,6 +178,13 @@ def run(
             "seconds": round(seconds, 3),
             "tokens_per_s": round(result["trained_tokens"] / seconds, 3) if seconds > 0 else None,
             "packing_efficiency": round(real_tokens / computed_tokens, 4) if computed_tokens else None,
+            # The exported drafter: the epoch with the best held-out acceptance length (else the last).
+            "held_out_samples": result["held_out_samples"],
+            "held_out_acceptance_length": [round(e["held_out_acceptance_length"], 4) for e in held_out],
+            "exported_epoch": result["best_epoch"]
+            if result["best_epoch"] is not None
+            else int(config.training.epochs) - 1,
+            "exported_held_out_acceptance_length": result["best_held_out_acceptance_length"],
         }
         return writer.commit("train", inputs=work.inputs, summary=summary)
 

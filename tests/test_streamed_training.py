@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from synthetic_training import LAYERS, TARGET, new_drafter, synthetic_samples, target_tensors
 
-from draftloop.kernels.data import SampleKey, ShardedSamples, ShardRef, StepShare
+from draftloop.kernels.data import SampleKey, ShardedSamples, ShardRef, StepShare, split_held_out
 from draftloop.kernels.train import TrainConfig, train_drafter
 
 Sample = dict[str, torch.Tensor]
@@ -208,7 +208,7 @@ def test_mid_epoch_resume_from_one_to_two_workers(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- train worker
 
 
-def _worker_loop(root: Path, work: str) -> dict[str, Any]:
+def _worker_loop(root: Path, work: str, held_out: int = 0) -> dict[str, Any]:
     """What tasks/train.py's loop_config hands each worker, for the synthetic dataset under ``root``."""
     return {
         "manifest": json.loads((root / "hidden" / "manifest.json").read_text()),
@@ -223,6 +223,8 @@ def _worker_loop(root: Path, work: str) -> dict[str, Any]:
         "work_dir": str(root / work),
         "shuffle_window_shards": 2,
         "prefetch_shards": 1,
+        "held_out_samples": held_out,
+        "acceptance_k": 3,
         "train_config": {**CFG, "max_length": 64, "pack_tokens": 40, "checkpoint_every_steps": 2},
     }
 
@@ -240,27 +242,88 @@ def _train_worker_process(rank: int, world: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_train_worker_resumes_mid_epoch_on_two_workers(tmp_path: Path) -> None:
-    """The train stage's worker body over a stored dataset: killed after a mid-epoch checkpoint of a
-    1-worker run, resumed by 2 workers, it ends with the drafter of an uninterrupted run."""
-    from safetensors.torch import load_file
+def _write_hidden_dataset(root: Path, sizes: Sequence[int]) -> None:
+    """A tiny target under root/target and a committed hidden-state dataset under root/hidden."""
     from transformers import AutoModelForCausalLM
 
     from draftloop.infra.storage import DatasetWriter
-    from draftloop.infra.train_worker import latest_checkpoint, train_worker
     from draftloop.kernels.shards import pack_hidden_shard, shard_metadata, shard_to_bytes
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(TARGET).save_pretrained(tmp_path / "target")
-    samples = synthetic_samples(26, seed=13)
-    writer = DatasetWriter(str(tmp_path / "hidden"), fsync=False)
-    for index, part in enumerate(split(samples, [6, 3, 8, 2, 7])):
+    AutoModelForCausalLM.from_config(TARGET).save_pretrained(root / "target")
+    samples = synthetic_samples(sum(sizes), seed=13)
+    writer = DatasetWriter(str(root / "hidden"), fsync=False)
+    for index, part in enumerate(split(samples, sizes)):
         tensors = pack_hidden_shard(part)
         writer.write_shard(
             f"hidden-{index:05d}.safetensors", shard_to_bytes(tensors, shard_metadata(LAYERS, "t")), len(part)
         )
     writer.commit("extract", summary={"aux_layer_ids": list(LAYERS.ids)})
+
+
+def test_split_held_out_takes_few_shards_and_loses_no_sample() -> None:
+    shards = [ShardRef(f"s{i}", n, 10 * n) for i, n in enumerate([6, 3, 8, 2, 7])]
+    for wanted in (0, 1, 5, 9, 26):
+        training, held = split_held_out(shards, wanted, seed=0)
+        assert held.num_samples == wanted
+        assert sum(s.num_samples for s in training) + held.num_samples == 26
+        # Whole shards first: at most one shard is split between training and held out.
+        sizes = {shard.name: shard.num_samples for shard in shards}
+        split_shards = [name for name, count in held.per_shard.items() if count < sizes[name]]
+        assert len(split_shards) <= 1
+        assert split_held_out(shards, wanted, seed=0) == (training, held)  # seeded
+
+
+def test_train_worker_exports_the_best_held_out_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held-out samples are never trained on; after every epoch the drafter's acceptance length on them
+    is estimated, and the exported drafter is the best epoch's, not the last (recorded in result.json).
+    The estimate is rigged (1.2, 1.8, 1.5 over three epochs) so that the best epoch is not the last; the
+    estimate itself is tested in test_simulate / test_acceptance_training."""
+    from safetensors.torch import load_file
+
+    import draftloop.infra.train_worker as worker
+    from draftloop.kernels.counters import SpecCounters
+
+    rigged = iter([1.2, 1.8, 1.5])
+    seen: list[int] = []
+
+    def estimate(drafter: Any, samples: Sequence[Any], head: Any, k: int) -> SpecCounters:
+        seen.append(len(samples))
+        length = next(rigged)
+        return SpecCounters(10.0, 10.0 * k, 10.0 * (length - 1.0))
+
+    monkeypatch.setattr(worker, "teacher_forced_acceptance", estimate)
+    _write_hidden_dataset(tmp_path, [6, 3, 8, 2, 7])
+    loop = _worker_loop(tmp_path, "run", held_out=2)
+    loop["train_config"] = {**loop["train_config"], "epochs": 3, "checkpoint_every_steps": None}
+    reports: list[dict[str, Any]] = []
+    worker.train_worker(loop, rank=0, world=1, device="cpu", report=reports.append)
+    result = json.loads((tmp_path / "run" / "final" / "result.json").read_text())
+    lengths = [e["held_out_acceptance_length"] for e in result["epochs"]]
+    assert seen == [2, 2, 2] and result["held_out_samples"] == 2 and result["samples"] == 24
+    assert lengths == pytest.approx([1.2, 1.8, 1.5])
+    assert [r["held_out_acceptance_length"] for r in reports if "epoch" in r] == pytest.approx(lengths)
+    assert result["best_epoch"] == 1 and result["best_held_out_acceptance_length"] == pytest.approx(1.8)
+    best = torch.load(tmp_path / "run" / worker.BEST_WEIGHTS, weights_only=True)
+    last = torch.load(sorted((tmp_path / "run").glob("step-*"))[-1] / "drafter.pt", weights_only=True)
+    exported = load_file(tmp_path / "run" / "final" / "drafter" / "model.safetensors")
+    assert torch.equal(exported["fc.weight"], best["fc.weight"].to(exported["fc.weight"].dtype))
+    assert not torch.equal(best["fc.weight"], last["fc.weight"])  # the last epoch was not exported
+    config = json.loads((tmp_path / "run" / "final" / "drafter" / "config.json").read_text())
+    assert config["draftloop"]["metadata"]["exported_epoch"] == 1
+
+
+@pytest.mark.slow
+def test_train_worker_resumes_mid_epoch_on_two_workers(tmp_path: Path) -> None:
+    """The train stage's worker body over a stored dataset: killed after a mid-epoch checkpoint of a
+    1-worker run, resumed by 2 workers, it ends with the drafter of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from draftloop.infra.train_worker import latest_checkpoint, train_worker
+
+    _write_hidden_dataset(tmp_path, [6, 3, 8, 2, 7])
 
     def no_report(_metrics: dict[str, Any]) -> None:
         pass
