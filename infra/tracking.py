@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +24,12 @@ from typing import Any
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import LoggedModel, LoggedModelOutput, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.models import Model
+from mlflow.models.model import MLMODEL_FILE_NAME
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from draftloop.infra.config import ExperimentConfig, GateConfig
 
@@ -193,6 +197,22 @@ class Tracker:
         handle.log_params(params)
         return handle
 
+    def record_registration(self, registration: Mapping[str, Any]) -> None:
+        """The cycle run's registry columns (MLflow has no documented per-experiment default columns, so
+        the runs list shows these next to `mean_acceptance_length`, `acceptance_rate`, `speedup_c1`):
+        metric `gate_passed` (1/0), tags `gate` (champion/rejected) and `model_version`."""
+        if self.parent_run_id is None:
+            return
+        passed = bool(registration.get("champion"))
+        self.client.log_batch(
+            self.parent_run_id,
+            metrics=[Metric("gate_passed", 1.0 if passed else 0.0, _now_ms(), 0)],
+            tags=[
+                RunTag("gate", str(registration.get("alias_status"))),
+                RunTag("model_version", f"{registration.get('name')} v{registration.get('version')}"),
+            ],
+        )
+
     def end_cycle(self, status: str = "FINISHED", error: str | None = None) -> None:
         if self.parent_run_id is None:
             return
@@ -297,11 +317,17 @@ class GateDecision:
         return {"passed": self.passed, "reasons": self.reasons, "notes": self.notes}
 
 
-def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: float | None) -> GateDecision:
+def evaluate_gate(
+    gate: GateConfig,
+    results: CycleResults,
+    champion_length: float | None,
+    champion_version: str | None = None,
+) -> GateDecision:
     """Apply `evaluation.gate` to a cycle's results.
 
     `min_speedup` is checked at concurrency 1 (a single stream is where speculation must pay);
     null means "not gated" and the reason is kept, because tiny CPU targets are compute-bound.
+    The champion is beaten at the registry's resolution (3 decimals, what its tags hold).
     """
     reasons: list[str] = []
     notes: list[str] = []
@@ -317,9 +343,9 @@ def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: floa
             reasons.append("no speedup measured at concurrency 1")
         elif not status.startswith("ok"):
             # Never promote on a flagged figure.
-            reasons.append(f"speedup at concurrency 1 ({speedup:.3f}x) is flagged: {status}")
+            reasons.append(f"speedup at concurrency 1 ({speedup:.2f}x) is flagged: {status}")
         elif speedup < gate.min_speedup:
-            reasons.append(f"speedup at concurrency 1 is {speedup:.3f} < min_speedup {gate.min_speedup}")
+            reasons.append(f"speedup at concurrency 1 is {speedup:.2f}x < min_speedup {gate.min_speedup}x")
     if gate.require_consistency:
         if results.lossless is False:
             reasons.append("greedy outputs of the speculative server differ from the baseline's")
@@ -327,8 +353,8 @@ def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: floa
             reasons.append("engine/simulator consistency was not measured")
         elif not results.consistent:
             reasons.append(
-                f"engine acceptance {results.acceptance_rate} disagrees with the simulator's "
-                f"{results.simulator_acceptance_rate} (integration fault)"
+                f"engine acceptance {_fmt(results.acceptance_rate)} disagrees with the simulator's "
+                f"{_fmt(results.simulator_acceptance_rate)} (integration fault)"
             )
     length = results.mean_acceptance_length
     if gate.min_acceptance_length is not None:
@@ -336,14 +362,17 @@ def evaluate_gate(gate: GateConfig, results: CycleResults, champion_length: floa
             reasons.append("no mean acceptance length measured")
         elif length < gate.min_acceptance_length:
             reasons.append(
-                f"mean acceptance length {length:.3f} < min_acceptance_length {gate.min_acceptance_length}"
+                f"mean acceptance length {length:.2f} < min_acceptance_length {gate.min_acceptance_length}"
             )
     if gate.beat_champion:
+        champion = f"champion v{champion_version}" if champion_version else "the champion"
         if champion_length is None:
             notes.append("no current champion to beat")
-        elif length is None or length <= champion_length:
+        elif length is None:
+            reasons.append(f"no mean acceptance length to compare with {champion}'s {champion_length:.2f}")
+        elif round(length, 3) <= champion_length:
             reasons.append(
-                f"mean acceptance length {length} does not beat the champion's {champion_length:.3f}"
+                f"mean acceptance length {length:.2f} does not beat {champion}'s {champion_length:.2f}"
             )
     return GateDecision(passed=not reasons, reasons=reasons, notes=notes)
 
@@ -352,21 +381,160 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def description_table(
-    results: CycleResults, gate: GateDecision | None = None, serving_command: str | None = None
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
+# How the registry names an engine kind for people (the kind itself stays the `engine` tag).
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+# The MLmodel flavor of a drafter logged by draftloop: an engine-native EAGLE-3 folder, not a Python model.
+DRAFTER_FLAVOR = "draftloop_eagle3"
+DRAFTER_DATA_DIR = "drafter"  # the drafter's own folder inside the logged model, next to MLmodel
+SHORT_HASH = 12  # characters of a content hash shown in tags
+
+
+def engine_label(kind: str, version: str | None) -> str:
+    """`vLLM 0.32.0`; the bare name when the version is unknown."""
+    name = ENGINE_NAMES.get(kind, kind)
+    return name if not version or version == "unknown" else f"{name} {version}"
+
+
+def target_label(target: str) -> str:
+    """The target as people name it: a hub id as is, a local folder by its name (no absolute paths)."""
+    path = Path(target)
+    return path.name if path.is_absolute() or path.exists() else target
+
+
+@dataclass
+class DrafterCard:
+    """What the registry and the drafter's MLmodel say about it: where it serves and what it came from."""
+
+    target: str  # a folder name or a hub id (target_label), never an absolute local path
+    engine: str  # engine kind: vllm, sglang
+    engine_version: str
+    aux_layer_ids: list[int] | None
+    layer_id_convention: str  # how `aux_layer_ids` are counted (DESIGN.md, "Layer ids")
+    convention_exported: str  # the engine whose convention the exported config follows
+    hashes: Mapping[str, str] = field(default_factory=dict)  # {"data_hash": sha256, ...}
+
+    @property
+    def engine_label(self) -> str:
+        return engine_label(self.engine, self.engine_version)
+
+    def tags(self) -> dict[str, str]:
+        return {
+            "target": self.target,
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "aux_layer_ids": json.dumps(self.aux_layer_ids),
+            "layer_id_convention": self.layer_id_convention,
+            "convention_exported": self.convention_exported,
+            **{key: value[:SHORT_HASH] for key, value in self.hashes.items()},
+        }
+
+
+def result_tags(results: CycleResults) -> dict[str, str]:
+    """The figures a version carries as tags, rounded; the leaderboard is rebuilt from them."""
+    tags = {
+        "mean_acceptance_length": _fmt(results.mean_acceptance_length),
+        "acceptance_rate": _fmt(results.acceptance_rate),
+    }
+    for concurrency, speedup in sorted(results.speedup.items()):
+        tags[f"speedup_c{concurrency}"] = _fmt(speedup)
+        status = results.speedup_status.get(concurrency, "ok")
+        if status != "ok":
+            tags[f"speedup_c{concurrency}_status"] = status.split(":")[0]
+    if results.recommended_k is not None:
+        tags["num_speculative_tokens"] = str(results.recommended_k)
+    return tags
+
+
+def _tag_float(tags: Mapping[str, str], key: str) -> float | None:
+    try:
+        return float(tags[key])
+    except (KeyError, ValueError):
+        return None
+
+
+@dataclass
+class ChampionFigures:
+    """The current champion as its tags tell it (what a challenger is compared with)."""
+
+    version: str
+    mean_acceptance_length: float | None
+    speedup_c1: float | None
+
+
+def current_champion(client: MlflowClient, name: str) -> ChampionFigures | None:
+    try:
+        version = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
+    except MlflowException:
+        return None
+    return ChampionFigures(
+        version=str(version.version),
+        mean_acceptance_length=_tag_float(version.tags, "mean_acceptance_length"),
+        speedup_c1=_tag_float(version.tags, "speedup_c1"),
+    )
+
+
+def _speedup_phrase(results: CycleResults, concurrency: int = 1) -> str:
+    speedup = results.speedup.get(concurrency)
+    if speedup is None:
+        return f"speedup n/a @ c={concurrency}"
+    status = results.speedup_status.get(concurrency, "ok")
+    flag = "" if status == "ok" else f" ({status.split(':')[0]})"
+    return f"speedup {speedup:.2f}x{flag} @ c={concurrency}"
+
+
+def _comparison(results: CycleResults, passed: bool, champion: ChampionFigures | None) -> str:
+    """How the version stands against the champion it was gated against, from its own viewpoint."""
+    if champion is None:
+        return "first champion" if passed else "no champion yet"
+    length, theirs = results.mean_acceptance_length, champion.mean_acceptance_length
+    if length is None or theirs is None:
+        text = f"champion v{champion.version} has AL {_fmt(theirs, 2)}"
+    elif passed:
+        text = f"beats v{champion.version} by {length - theirs:+.2f} AL"
+    elif theirs >= length:
+        text = f"v{champion.version} leads by {theirs - length:.2f} AL"
+    else:
+        text = f"{length - theirs:+.2f} AL over v{champion.version}, which stays champion"
+    speedup = results.speedup.get(1)
+    if speedup is not None and champion.speedup_c1 is not None:
+        text += f", speedup {speedup - champion.speedup_c1:+.2f}x vs v{champion.version}"
+    return text
+
+
+def verdict_line(
+    results: CycleResults, decision: GateDecision, engine: str, champion: ChampionFigures | None
 ) -> str:
-    """The model version's description: a small markdown table of the results, ending with the command
-    that serves the drafter at the recommended k."""
-    lines = [
-        "| metric | value |",
-        "|---|---|",
-        f"| acceptance rate | {_fmt(results.acceptance_rate)} |",
-        f"| mean acceptance length | {_fmt(results.mean_acceptance_length)} |",
-        f"| simulator acceptance rate | {_fmt(results.simulator_acceptance_rate)} |",
-        f"| engine/simulator consistent | {results.consistent} |",
+    """The description's first line, what the registry's versions list shows:
+    `champion: AL 2.24, speedup 1.90x @ c=1 on vLLM 0.32.0 — beats v1 by +0.31 AL, speedup +0.20x vs v1`.
+    A rejected version names the gate's reasons in its head."""
+    head = "champion" if decision.passed else f"rejected ({'; '.join(decision.reasons)})"
+    figures = f"AL {_fmt(results.mean_acceptance_length, 2)}, {_speedup_phrase(results)} on {engine}"
+    return f"{head}: {figures} — {_comparison(results, decision.passed, champion)}"
+
+
+def description_table(
+    results: CycleResults,
+    gate: GateDecision | None = None,
+    serving_command: str | None = None,
+    context_rows: Sequence[tuple[str, str]] = (),
+) -> str:
+    """A markdown table of the results with units (after `context_rows`: engine, target, comparison),
+    ending with the command that serves the drafter at the recommended k."""
+    consistent = {True: "yes", False: "no (integration fault)", None: "not measured"}[results.consistent]
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {label} | {value} |" for label, value in context_rows]
+    lines += [
+        f"| mean acceptance length | {_fmt(results.mean_acceptance_length)} tokens/step |",
+        f"| acceptance rate | {_percent(results.acceptance_rate)} |",
+        f"| simulator acceptance rate | {_percent(results.simulator_acceptance_rate)} |",
+        f"| engine/simulator consistent | {consistent} |",
     ]
     if results.per_position_acceptance:
-        per_position = ", ".join(f"{value:.2f}" for value in results.per_position_acceptance)
+        per_position = ", ".join(f"{100 * value:.0f} %" for value in results.per_position_acceptance)
         lines.append(f"| acceptance per position | {per_position} |")
     for concurrency in sorted(results.speedup):
         throughput = results.throughput.get(concurrency)
@@ -379,9 +547,90 @@ def description_table(
     if gate is not None:
         verdict = "passed" if gate.passed else "rejected: " + "; ".join(gate.reasons)
         lines.append(f"| gate | {verdict} |")
+        if gate.notes:
+            lines.append(f"| gate notes | {'; '.join(gate.notes)} |")
     if serving_command is not None:
         lines += ["", f"Serve it (recommended k = {results.recommended_k}):", "", f"    {serving_command}"]
     return "\n".join(lines) + "\n"
+
+
+def version_description(
+    results: CycleResults,
+    decision: GateDecision,
+    card: DrafterCard,
+    champion: ChampionFigures | None,
+    serving_command: str,
+) -> str:
+    """The model version's description: the one-line verdict, the table, the serving command."""
+    rows = [("engine", card.engine_label), ("target", card.target)]
+    if champion is not None and champion.mean_acceptance_length is not None:
+        rows.append((f"champion at registration (v{champion.version})", _champion_figures(champion)))
+    table = description_table(results, decision, serving_command, context_rows=rows)
+    return verdict_line(results, decision, card.engine_label, champion) + "\n\n" + table
+
+
+def _champion_figures(champion: ChampionFigures) -> str:
+    speedup = "n/a" if champion.speedup_c1 is None else f"{champion.speedup_c1:.3f}x"
+    return f"AL {_fmt(champion.mean_acceptance_length)} tokens/step, speedup {speedup} @ concurrency 1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The drafter as an MLflow model
+
+
+def log_drafter_model(
+    tracker: Tracker,
+    run_id: str,
+    drafter_folder: Path,
+    card: DrafterCard,
+    serving_command: Callable[[str], str],
+    num_speculative_tokens: int | None,
+) -> tuple[LoggedModel, str]:
+    """Log the drafter once, as an MLflow model of flavor `draftloop_eagle3` output by `run_id`.
+
+    The model holds the engine-native folder under `drafter/` and an `MLmodel` saying how to serve it
+    (engine, engine version, the exact command, layer ids and their convention, target). No pyfunc:
+    the drafter runs inside an engine, not in Python. Returns (the logged model, its serving command).
+    """
+    client = tracker.client
+    model = client.create_logged_model(
+        tracker.experiment_id,
+        name="drafter",
+        source_run_id=run_id,
+        tags=card.tags(),
+        model_type="eagle3-drafter",
+    )
+    command = serving_command(f"{model.artifact_location}/{DRAFTER_DATA_DIR}")
+    mlmodel = Model(
+        artifact_path=model.artifact_location,
+        run_id=run_id,
+        model_uuid=model.model_id,
+        model_id=model.model_id,
+        metadata={key: value[:SHORT_HASH] for key, value in card.hashes.items()},
+    )
+    mlmodel.add_flavor(
+        DRAFTER_FLAVOR,
+        data=DRAFTER_DATA_DIR,
+        format="eagle3",
+        engine=card.engine,
+        engine_version=card.engine_version,
+        serve_command=command,
+        num_speculative_tokens=num_speculative_tokens,
+        aux_layer_ids=card.aux_layer_ids,
+        layer_id_convention=card.layer_id_convention,
+        convention_exported=card.convention_exported,
+        target=card.target,
+    )
+    client.log_model_artifacts(model.model_id, str(drafter_folder), DRAFTER_DATA_DIR)
+    with tempfile.TemporaryDirectory(prefix="draftloop-mlmodel-") as scratch:
+        mlmodel.save(str(Path(scratch) / MLMODEL_FILE_NAME))
+        client.log_model_artifacts(model.model_id, scratch)
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+    return client.finalize_logged_model(model.model_id, "READY"), command
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The registered model: versions, gate, leaderboard
 
 
 @dataclass
@@ -391,6 +640,8 @@ class Registration:
     champion: bool  # the `champion` alias now points at this version
     gate: GateDecision
     previous_champion: str | None
+    verdict: str  # the description's first line
+    model_id: str  # the logged model the version was created from
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -400,17 +651,80 @@ class Registration:
             "alias_status": "champion" if self.champion else "rejected",
             "previous_champion": self.previous_champion,
             "gate": self.gate.to_dict(),
+            "verdict": self.verdict,
+            "model_id": self.model_id,
         }
 
 
-def champion_acceptance_length(client: MlflowClient, name: str) -> tuple[str | None, float | None]:
-    """(version, mean acceptance length) of the current champion, or (None, None)."""
-    try:
-        version = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
-    except MlflowException:
-        return None, None
-    value = version.tags.get("mean_acceptance_length")
-    return str(version.version), (float(value) if value not in (None, "", "None") else None)
+REGISTERED_MODEL_INTRO = "EAGLE-3 drafters trained by draftloop."
+_LEADERBOARD_ROWS = 50  # newest versions shown; the rest stay in the versions list
+
+
+def _speedup_cell(tags: Mapping[str, str], concurrency: int) -> str:
+    value = _tag_float(tags, f"speedup_c{concurrency}")
+    if value is None:
+        return "-"
+    flag = tags.get(f"speedup_c{concurrency}_status")
+    return f"{value:.2f}x" + (f" ({flag})" if flag else "")
+
+
+def leaderboard_markdown(client: MlflowClient, name: str) -> str:
+    """The registered model's description: its versions newest first (gate, AL, acceptance rate, speedup
+    per concurrency, engine), rebuilt from the versions' tags."""
+    escaped = name.replace("'", "\\'")
+    versions = sorted(
+        client.search_model_versions(f"name = '{escaped}'"), key=lambda v: int(v.version), reverse=True
+    )
+    concurrencies = sorted(
+        {
+            int(key[len("speedup_c") :])
+            for v in versions
+            for key in v.tags
+            if re.fullmatch(r"speedup_c\d+", key)
+        }
+    )
+    # By the alias itself: search results do not carry aliases.
+    holder = current_champion(client, name)
+    champion = next((v for v in versions if holder is not None and str(v.version) == holder.version), None)
+    if champion is None:
+        head = "No champion yet."
+    else:
+        tags = champion.tags
+        head = (
+            f"Champion: v{champion.version}, AL {_fmt(_tag_float(tags, 'mean_acceptance_length'), 2)}, "
+            f"speedup {_speedup_cell(tags, 1)} @ c=1 on "
+            f"{engine_label(tags.get('engine', '?'), tags.get('engine_version'))}."
+        )
+    header = ["version", "gate", "AL (tokens/step)", "acceptance rate"]
+    header += [f"speedup @ c={c}" for c in concurrencies] + ["engine", "target"]
+    lines = [
+        f"{REGISTERED_MODEL_INTRO} {head}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for version in versions[:_LEADERBOARD_ROWS]:
+        tags = version.tags
+        if version is champion:
+            gate = "champion"
+        elif tags.get("gate") == "passed":
+            gate = "passed (former champion)"
+        else:
+            gate = tags.get("gate", "-")
+        cells = [
+            f"v{version.version}",
+            gate,
+            _fmt(_tag_float(tags, "mean_acceptance_length"), 2),
+            _percent(_tag_float(tags, "acceptance_rate")),
+            *(_speedup_cell(tags, c) for c in concurrencies),
+            engine_label(tags.get("engine", "-"), tags.get("engine_version")),
+            tags.get("target", "-"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(versions) > _LEADERBOARD_ROWS:
+        lines += ["", f"{len(versions) - _LEADERBOARD_ROWS} older versions are in the versions list."]
+    lines += ["", "Rebuilt at every registration from the versions' tags."]
+    return "\n".join(lines) + "\n"
 
 
 def register_drafter(
@@ -419,45 +733,59 @@ def register_drafter(
     name: str,
     gate_config: GateConfig,
     results: CycleResults,
-    tags: Mapping[str, Any],
-    artifact_dir: str = "drafter",
-    serving_command: Callable[[str], str] | None = None,
+    card: DrafterCard,
+    drafter_folder: Path,
+    serving_command: Callable[[str], str],
 ) -> Registration:
-    """Create a model version from `<run artifacts>/<artifact_dir>` and move `champion` if the gate passes.
+    """Log `drafter_folder` as an MLflow model, create a version from it, move `champion` past the gate.
 
-    The drafter folder must already be logged under `artifact_dir` in `run`. A version that fails the
-    gate is still registered (it is evidence), tagged `rejected` with the reasons. `serving_command(source)`:
-    the command that serves the drafter from the version's source (the description's last line).
+    The model is an output of the cycle's parent run (the register stage's own run when there is none),
+    so the runs list shows it. A version that fails the gate is still registered (it is evidence), tagged
+    `rejected` with the reasons. `serving_command(drafter_uri)`: the command serving the drafter from
+    where the model stores it (in the MLmodel and at the end of the description).
     """
     client = tracker.client
     try:
         client.get_registered_model(name)
     except MlflowException:
         with suppress(MlflowException):  # another cycle may have created it meanwhile
-            client.create_registered_model(name, description="EAGLE-3 drafters trained by draftloop")
-    previous_version, previous_length = champion_acceptance_length(client, name)
-    decision = evaluate_gate(gate_config, results, previous_length)
-    version_tags = {k: str(v) for k, v in tags.items()}
-    version_tags["mean_acceptance_length"] = str(results.mean_acceptance_length)
-    version_tags["acceptance_rate"] = str(results.acceptance_rate)
-    source = f"{run.artifact_uri}/{artifact_dir}"
+            client.create_registered_model(name, description=REGISTERED_MODEL_INTRO)
+    champion = current_champion(client, name)
+    decision = evaluate_gate(
+        gate_config,
+        results,
+        champion.mean_acceptance_length if champion else None,
+        champion.version if champion else None,
+    )
+    model_run_id = tracker.parent_run_id or run.run_id
+    model, command = log_drafter_model(
+        tracker, model_run_id, drafter_folder, card, serving_command, results.recommended_k
+    )
+    version_tags = {
+        **card.tags(),
+        **result_tags(results),
+        "gate": "passed" if decision.passed else "rejected",
+    }
+    if not decision.passed:
+        version_tags["rejected"] = "; ".join(decision.reasons)
+    if decision.notes:
+        version_tags["gate_notes"] = "; ".join(decision.notes)
+    description = version_description(results, decision, card, champion, command)
     version = client.create_model_version(
         name,
-        source=source,
-        run_id=run.run_id,
+        source=model.artifact_location,
+        run_id=model_run_id,
         tags=version_tags,
-        description=description_table(
-            results, decision, serving_command(source) if serving_command is not None else None
-        ),
+        description=description,
+        model_id=model.model_id,
+    )
+    # The logged model's page lists its registered versions from this tag (what mlflow.register_model sets).
+    client.set_logged_model_tags(
+        model.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([{"name": name, "version": str(version.version)}])}
     )
     if decision.passed:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)
-        client.set_model_version_tag(name, version.version, "gate", "passed")
-    else:
-        client.set_model_version_tag(name, version.version, "rejected", "; ".join(decision.reasons))
-        client.set_model_version_tag(name, version.version, "gate", "rejected")
-    if decision.notes:
-        client.set_model_version_tag(name, version.version, "gate_notes", "; ".join(decision.notes))
+    client.update_registered_model(name, description=leaderboard_markdown(client, name))
     run.set_tags(
         {
             "registered_model": name,
@@ -470,5 +798,7 @@ def register_drafter(
         version=str(version.version),
         champion=decision.passed,
         gate=decision,
-        previous_champion=previous_version,
+        previous_champion=champion.version if champion else None,
+        verdict=description.splitlines()[0],
+        model_id=model.model_id,
     )

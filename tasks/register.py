@@ -11,7 +11,14 @@ from prefect import task
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.storage import DatasetWriter, Manifest, download_shards, storage_options
-from draftloop.infra.tracking import CycleResults, StageRun, Tracker, register_drafter
+from draftloop.infra.tracking import (
+    CycleResults,
+    DrafterCard,
+    StageRun,
+    Tracker,
+    register_drafter,
+    target_label,
+)
 from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options
@@ -46,36 +53,34 @@ def run(
     def body(work: StageWork) -> Manifest:
         options = storage_options(config)
         results = CycleResults.from_dict(evaluation.manifest.summary["results"])
+        train_summary = drafter.manifest.summary
+        card = DrafterCard(
+            target=target_label(str(config.target.path)),
+            engine=str(config.engine.kind),
+            engine_version=str(evaluation.manifest.summary.get("engine_version", "unknown")),
+            aux_layer_ids=train_summary.get("aux_layer_ids"),
+            layer_id_convention="layer_input",
+            convention_exported=str(train_summary.get("convention_exported", config.engine.kind)),
+            hashes={
+                "data_hash": conversations.manifest.content_hash(),
+                "hidden_hash": hidden.manifest.content_hash(),
+                "drafter_hash": drafter.manifest.content_hash(),
+            },
+        )
         with tempfile.TemporaryDirectory(prefix="draftloop-register-") as scratch:
             folder = download_shards(
-                drafter.manifest,
-                Path(scratch) / "drafter",
-                drafter.manifest.summary["drafter_files"],
-                options,
+                drafter.manifest, Path(scratch) / "drafter", train_summary["drafter_files"], options
             )
-            stage_run.log_artifact(folder, "drafter")
-        train_summary = drafter.manifest.summary
-        tags = {
-            "target": str(config.target.path),
-            "engine": str(config.engine.kind),
-            "engine_version": evaluation.manifest.summary.get("engine_version", "unknown"),
-            "aux_layer_ids": json.dumps(train_summary.get("aux_layer_ids")),
-            "layer_id_convention": "layer_input",
-            "convention_exported": str(train_summary.get("convention_exported", config.engine.kind)),
-            "data_hash": conversations.manifest.content_hash(),
-            "hidden_hash": hidden.manifest.content_hash(),
-            "drafter_hash": drafter.manifest.content_hash(),
-            "cycle_run_id": tracker.parent_run_id or "",
-        }
-        registration = register_drafter(
-            tracker,
-            stage_run,
-            config.registered_model_name,
-            config.evaluation.gate,
-            results,
-            tags,
-            serving_command=lambda source: serving_command(config, source, results.recommended_k),
-        )
+            registration = register_drafter(
+                tracker,
+                stage_run,
+                config.registered_model_name,
+                config.evaluation.gate,
+                results,
+                card,
+                folder,
+                serving_command=lambda source: serving_command(config, source, results.recommended_k),
+            )
         writer = DatasetWriter(work.uri, storage_options=options)
         payload = registration.to_dict()
         writer.write_shard(REGISTRATION_SHARD, json.dumps(payload, indent=2).encode(), rows=1)
@@ -86,7 +91,9 @@ def run(
         "evaluation": evaluation.manifest,
         "data": conversations.manifest,
     }
-    return run_cached("register", config, SECTIONS, upstream, body, on_start=on_start)
+    outcome = run_cached("register", config, SECTIONS, upstream, body, on_start=on_start)
+    tracker.record_registration(outcome.manifest.summary)  # also when reused: this cycle's run shows it
+    return outcome
 
 
 @task(name="register", **stage_task_options(retries=1))

@@ -12,6 +12,7 @@ from draftloop.infra.evaluation.plots import plot_training_curves
 from draftloop.infra.tracking import (
     CHAMPION_ALIAS,
     CycleResults,
+    DrafterCard,
     Tracker,
     evaluate_gate,
     flatten_params,
@@ -55,10 +56,30 @@ def _fake_drafter(folder: Path) -> Path:
     return folder
 
 
+def _card(data_hash: str) -> DrafterCard:
+    return DrafterCard(
+        target="tiny",
+        engine="vllm",
+        engine_version="0.32.0",
+        aux_layer_ids=[1, 3, 5],
+        layer_id_convention="layer_input",
+        convention_exported="vllm",
+        hashes={"data_hash": data_hash},
+    )
+
+
 def _register(tracker: Tracker, tmp_path: Path, name: str, results: CycleResults, tag: str) -> object:
     with tracker.stage("register") as run:
-        run.log_artifact(_fake_drafter(tmp_path / tag / "drafter"), "drafter")
-        return register_drafter(tracker, run, name, _gate(), results, {"target": "tiny", "data_hash": tag})
+        return register_drafter(
+            tracker,
+            run,
+            name,
+            _gate(),
+            results,
+            _card(tag),
+            _fake_drafter(tmp_path / tag / "drafter"),
+            serving_command=lambda drafter: f"serve {drafter}",
+        )
 
 
 def test_gate_promotes_passing_and_rejects_failing_drafters(tracker: Tracker, tmp_path: Path) -> None:
@@ -70,17 +91,19 @@ def test_gate_promotes_passing_and_rejects_failing_drafters(tracker: Tracker, tm
     assert first.champion and first.gate.passed  # type: ignore[attr-defined]
     assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == first.version  # type: ignore[attr-defined]
     version = client.get_model_version(name, first.version)  # type: ignore[attr-defined]
-    assert "| mean acceptance length | 2.200 |" in version.description
+    assert "| mean acceptance length | 2.200 tokens/step |" in version.description
     assert "| speedup @ concurrency 1 | 0.800x" in version.description
     assert version.tags["data_hash"] == "trained"
-    # The registered source is the logged drafter folder, and it downloads.
-    assert version.source.endswith("/drafter")
+    # The registered source is the logged model (MLmodel + the drafter folder), and it downloads.
+    logged = client.get_logged_model(first.model_id)  # type: ignore[attr-defined]
+    assert json.loads(logged.tags["mlflow.modelVersions"]) == [{"name": name, "version": first.version}]  # type: ignore[attr-defined]
+    assert version.source == logged.artifact_location
     local = Path(
         __import__("mlflow").artifacts.download_artifacts(
             artifact_uri=version.source, dst_path=str(tmp_path / "dl"), tracking_uri=tracker.tracking_uri
         )
     )
-    assert (local / "config.json").exists()
+    assert (local / "MLmodel").exists() and (local / "drafter" / "config.json").exists()
 
     # An untrained drafter: acceptance length ~1 -> registered, tagged rejected, champion unchanged.
     untrained = _register(tracker, tmp_path, name, _results(1.02), "untrained")

@@ -1,0 +1,150 @@
+"""What a person reads in MLflow's registry: the one-line verdict, the leaderboard, the MLmodel, the tags.
+
+A champion, then a weaker challenger, registered against a real SQLite MLflow (no engine, no flow).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlflow
+import yaml
+
+from draftloop.infra.tracking import (
+    CHAMPION_ALIAS,
+    DRAFTER_FLAVOR,
+    CycleResults,
+    DrafterCard,
+    Tracker,
+    register_drafter,
+    target_label,
+)
+
+GATE = SimpleNamespace(
+    min_speedup=None, min_acceptance_length=1.5, require_consistency=True, beat_champion=True
+)
+SHA = "9f2c4e1ab3d5" + "0" * 52  # a 64-character content hash
+
+
+def _results(length: float, speedup_c1: float) -> CycleResults:
+    rate = (length - 1) / 3
+    return CycleResults(
+        acceptance_rate=rate,
+        mean_acceptance_length=length,
+        per_position_acceptance=[0.61, 0.4, 0.2],
+        speedup={1: speedup_c1, 4: speedup_c1 * 0.8},
+        throughput={1: 41.25, 4: 120.5},
+        simulator_acceptance_rate=rate,
+        consistent=True,
+        speedup_status={1: "ok", 4: "inconclusive: [0.9, 1.4]"},
+        recommended_k=2,
+    )
+
+
+def _drafter(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    return folder
+
+
+def test_rejected_version_says_why_and_how_it_compares_in_one_line(tmp_path: Path) -> None:
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "artifacts"), "registry-view")
+    tracker.start_cycle("cycle", {}, {})
+    target = tmp_path / "models" / "tiny-llama"
+    target.mkdir(parents=True)
+    card = DrafterCard(
+        target=target_label(str(target)),
+        engine="vllm",
+        engine_version="0.32.0",
+        aux_layer_ids=[1, 3, 5],
+        layer_id_convention="layer_input",
+        convention_exported="vllm",
+        hashes={"data_hash": SHA},
+    )
+    name = "drafter-view"
+
+    def register(results: CycleResults, tag: str) -> dict[str, object]:
+        with tracker.stage("register") as run:
+            registration = register_drafter(
+                tracker,
+                run,
+                name,
+                GATE,  # type: ignore[arg-type]
+                results,
+                card,
+                _drafter(tmp_path / tag),
+                serving_command=lambda drafter: (
+                    f"vllm serve {target} --drafter {drafter.removeprefix('file://')}"
+                ),
+            )
+        return registration.to_dict()
+
+    champion = register(_results(2.24, 1.9), "first")
+    challenger = register(_results(1.8, 1.2), "second")
+    client = tracker.client
+    assert champion["alias_status"] == "champion" and challenger["alias_status"] == "rejected"
+    assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == champion["version"]
+
+    rejected = client.get_model_version(name, str(challenger["version"]))
+    print("\n--- rejected version's description ---\n" + rejected.description)
+    first_line = rejected.description.splitlines()[0]
+    assert first_line == challenger["verdict"]
+    assert first_line == (
+        "rejected (mean acceptance length 1.80 does not beat champion v1's 2.24): "
+        "AL 1.80, speedup 1.20x @ c=1 on vLLM 0.32.0 — v1 leads by 0.44 AL, speedup -0.70x vs v1"
+    )
+    assert rejected.description.splitlines()[1] == ""  # the verdict stands alone as the list's excerpt
+    assert (
+        "| speedup @ concurrency 4 | 0.960x (120.5 tok/s) inconclusive: [0.9, 1.4] |" in rejected.description
+    )
+    assert "| acceptance rate | 26.7 % |" in rejected.description
+    assert "| champion at registration (v1) |" in rejected.description
+    accepted = client.get_model_version(name, str(champion["version"])).description.splitlines()[0]
+    assert accepted == "champion: AL 2.24, speedup 1.90x @ c=1 on vLLM 0.32.0 — first champion"
+
+    # The registered model's own description: a leaderboard of both versions, newest first.
+    leaderboard = client.get_registered_model(name).description
+    print("\n--- registered model's description ---\n" + leaderboard)
+    assert leaderboard.splitlines()[0].endswith("Champion: v1, AL 2.24, speedup 1.90x @ c=1 on vLLM 0.32.0.")
+    rows = [line for line in leaderboard.splitlines() if re.match(r"\| v\d", line)]
+    assert rows == [
+        "| v2 | rejected | 1.80 | 26.7 % | 1.20x | 0.96x (inconclusive) | vLLM 0.32.0 | tiny-llama |",
+        "| v1 | champion | 2.24 | 41.3 % | 1.90x | 1.52x (inconclusive) | vLLM 0.32.0 | tiny-llama |",
+    ]
+
+    # The version's source is a logged MLflow model whose MLmodel says how to serve the drafter.
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=rejected.source, dst_path=str(tmp_path / "dl"), tracking_uri=tracker.tracking_uri
+        )
+    )
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"][DRAFTER_FLAVOR]
+    assert flavor["serve_command"].startswith(f"vllm serve {target} --drafter /")
+    assert flavor["serve_command"].endswith("/drafter") and (local / "drafter" / "config.json").exists()
+    assert flavor["serve_command"] in rejected.description  # the description ends with the same command
+    assert (flavor["engine"], flavor["engine_version"], flavor["aux_layer_ids"]) == (
+        "vllm",
+        "0.32.0",
+        [1, 3, 5],
+    )
+    assert (flavor["layer_id_convention"], flavor["target"], flavor["num_speculative_tokens"]) == (
+        "layer_input",
+        "tiny-llama",
+        2,
+    )
+    # Logged once, as an output of the cycle's run (the runs list's Models column).
+    run = client.get_run(str(tracker.parent_run_id))
+    assert len(run.outputs.model_outputs) == 2  # one per registration above, each in the same cycle run
+    assert len(client.list_artifacts(str(tracker.parent_run_id))) == 0  # no second copy as a run artifact
+
+    # Tags people can read: names, short hashes, rounded values, no absolute local paths.
+    tags = rejected.tags
+    assert tags["target"] == "tiny-llama" and tags["data_hash"] == SHA[:12]
+    assert tags["mean_acceptance_length"] == "1.800" and tags["speedup_c1"] == "1.200"
+    assert tags["speedup_c4_status"] == "inconclusive" and tags["gate"] == "rejected"
+    assert not [key for key, value in tags.items() if str(tmp_path) in value or value.startswith("/")], tags
+    assert all(len(value) <= 120 for key, value in tags.items() if key not in ("rejected", "gate_notes"))
