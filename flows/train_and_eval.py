@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
 from draftloop.flows.cycle import (
-    CYCLE_FLOW_HOOKS,
     DEFAULT_CONFIG,
     DEFAULT_ENGINE_KIND,
     DEFAULT_EPOCHS,
@@ -19,11 +16,12 @@ from draftloop.flows.cycle import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_TARGET_PATH,
     TrainAndEvalParams,
+    cycle_flow,
     run_cycle,
 )
 
 
-@flow(name="train-and-eval", log_prints=True, **CYCLE_FLOW_HOOKS)
+@cycle_flow("train-and-eval")
 def train_and_eval(
     config: str = DEFAULT_CONFIG,
     target_path: str = DEFAULT_TARGET_PATH,

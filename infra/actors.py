@@ -139,13 +139,21 @@ def remote_options(num_gpus: float, num_cpus: float = 1) -> dict[str, Any]:
 class TargetGenerator:
     """Hosts the HF target in one process and answers prompts greedily (a Ray actor in the flow)."""
 
-    def __init__(self, target_path: str, dtype: str = "float32", device: str | None = None) -> None:
+    def __init__(
+        self,
+        target_path: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        trust_remote_code: bool = False,  # run the folder's own code: only for a target.trust_remote_code
+    ) -> None:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        model: Any = AutoModelForCausalLM.from_pretrained(target_path, dtype=getattr(torch, dtype))
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            target_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
         self.model: Any = model.to(self.device).eval()
 
     def generate(
@@ -284,12 +292,15 @@ class HiddenStateExtractor:
         convention: str,
         dtype: str = "float32",
         device: str | None = None,
+        trust_remote_code: bool = False,  # run the folder's own code: only for a target.trust_remote_code
     ) -> None:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, dtype)
         self.target_path = target_path
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path)
-        model: Any = AutoModelForCausalLM.from_pretrained(target_path, dtype=self.dtype)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            target_path, dtype=self.dtype, trust_remote_code=trust_remote_code
+        )
         self.model: Any = model.to(self.device).eval()
         self.layer_ids = LayerIds(tuple(int(i) for i in aux_layer_ids), normalize_convention(convention)).to(
             "layer_input"

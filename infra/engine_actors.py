@@ -8,7 +8,6 @@ cycle's PID record, so a cancelled or crashed flow run stops it even if this pro
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,9 @@ import ray
 from draftloop.infra.actors import kill_actors
 from draftloop.infra.engines.base import Engine
 from draftloop.infra.engines.server import (
-    PIDFILE_DIR_NAME,
     EngineServer,
     EngineServerActor,
+    EngineStartError,
     SmokeResult,
     clean_stale_servers,
 )
@@ -48,6 +47,18 @@ class ServerProxy:
         result: SmokeResult = ray.get(self.actor.smoke_test.remote())
         return result
 
+    def raise_if_died(self, error: Exception) -> None:
+        """When the server has died, raise its own failure (exit code, log excerpt) from `error`: a
+        request that failed because the server died says why it died, and stays retryable unless
+        the server logged a fatal error."""
+        try:
+            ray.get(self.actor.check_alive.remote(), timeout=_STOP_TIMEOUT_S)
+        except ray.exceptions.RayTaskError as wrapped:
+            if isinstance(wrapped.cause, EngineStartError):
+                raise wrapped.cause from error
+        except ray.exceptions.RayError:
+            pass  # the actor itself is gone: nothing more to tell than `error`
+
     def stop(self) -> None:
         # Stop the server from inside the actor first: killing the actor alone would orphan it.
         with contextlib.suppress(Exception):
@@ -67,8 +78,8 @@ def start_server_actor(
 ) -> ServerProxy:
     """Start one engine server in a Ray actor and wait until it is ready (Ray must be initialised).
 
-    `actor_options` go to `ray.remote` (e.g. a `runtime_env`). The server's PID is added to `pids`
-    under `engine-<name>`.
+    `actor_options` go to `ray.remote` (e.g. a `runtime_env`). The server adds its PID to `pids` under
+    `engine-<name>` as soon as it is spawned, and removes it once stopped.
     """
     clean_stale_servers(run_dir)  # a previous attempt killed mid-way may have left one behind
     server = EngineServer(
@@ -78,6 +89,7 @@ def start_server_actor(
         name=name,
         drafter_dir=Path(drafter_dir) if drafter_dir is not None else None,
         num_speculative_tokens=num_speculative_tokens if drafter_dir is not None else None,
+        pid_record=pids,
     )
     actor = EngineServerActor.options_for(engine.settings, **actor_options).remote(server)
     try:
@@ -90,9 +102,6 @@ def start_server_actor(
         if isinstance(cause, Exception) and cause is not error:
             raise cause from error
         raise
-    record = Path(run_dir) / PIDFILE_DIR_NAME / f"{name}.json"
-    if pids is not None and record.exists():
-        pids.add(f"engine-{name}", [int(json.loads(record.read_text())["pid"])])
     return ServerProxy(
         actor=actor, base_url=info["url"], startup_s=info["startup_s"], log_path=Path(info["log_path"])
     )
@@ -117,9 +126,10 @@ def server_starter(
         )
         try:
             yield server
+        except Exception as error:
+            server.raise_if_died(error)
+            raise
         finally:
             server.stop()
-            if pids is not None:
-                pids.forget(f"engine-{name}")
 
     return start

@@ -139,7 +139,7 @@ async def _request_all(
                 last = f"{type(error).__name__}: {error}"
         return last
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=engine.request_headers()) as client:
         return list(await asyncio.gather(*(one(client, ids) for ids in token_lists)))
 
 

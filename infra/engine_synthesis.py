@@ -146,20 +146,21 @@ async def regenerate_conversations(
     policy: RequestPolicy,
     extra_body: Mapping[str, Any] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> SynthesisResult:
     """Regenerate every row through `base_url`'s /v1/chat/completions; results in input order.
 
     A row's reasoning is its assistant turns' reasoning joined (None when none had any); each
     regenerated assistant message also carries its own under "reasoning". `extra_body`: engine-specific
     request fields (e.g. vLLM's `thinking_token_budget`). `transport` replaces the network (tests replay
-    recorded responses through it).
+    recorded responses through it). `headers`: sent with every request (the engine's API key).
     """
     url = f"{base_url.rstrip('/')}/v1/chat/completions"
     sampling = {"max_tokens": max_tokens, "temperature": temperature, **(extra_body or {})}
     limit = asyncio.Semaphore(max(1, policy.concurrency))
     result = SynthesisResult()
     outcomes: list[tuple[list[Message], int] | BaseException] = []
-    async with httpx.AsyncClient(transport=transport, timeout=policy.timeout_s) as client:
+    async with httpx.AsyncClient(transport=transport, timeout=policy.timeout_s, headers=headers) as client:
         outcomes = await asyncio.gather(
             *(_regenerate_row(client, url, model, row, sampling, policy, limit) for row in rows),
             return_exceptions=True,
@@ -196,6 +197,7 @@ def regenerate_from_config(
             temperature=float(section.temperature),
             policy=policy,
             extra_body=dict(section.extra_body),
+            headers=get_engine(config.engine.kind, config.engine.settings()).request_headers(),
         )
     )
 

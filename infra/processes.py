@@ -3,18 +3,21 @@
 Engine servers, the local Prefect/MLflow services and a cycle's Ray head each lead their own process
 group (their workers are in it). Stopping one is SIGTERM to the group, a grace period, then SIGKILL to
 the group, because children may outlive their leader. PIDs are written to record files under the state
-folder so that another process (a Prefect cancellation hook, `draftloop down`) can stop them later.
+folder so that another process (a Prefect cancellation hook, `draftloop down`, the next run after a
+SIGKILL: `reap_dead_records`) can stop them later.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import time
-from collections.abc import Iterable
-from contextlib import suppress
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 _POLL_S = 0.1
 
@@ -100,32 +103,131 @@ def _reap(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+def process_start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None if it is gone.
+
+    A PID and its start time name one process for good: a PID reused by a new process has another
+    start time, so a stale record never makes us signal a stranger.
+    """
+    try:
+        # After "pid (comm)": state is field 3 of the line, starttime field 22, i.e. index 19 here.
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _runs(pid: int, started: int | None) -> bool:
+    """True while the process recorded as (`pid`, `started`) still runs (not a reuse of its PID).
+
+    A process recorded without a start time was already gone when it was recorded.
+    """
+    return started is not None and is_alive(pid) and process_start_time(pid) == started
+
+
+def pid_records_dir() -> Path:
+    """`<state>/pids/`: every PID record (one per cycle run, one per driver), scanned by the reaper."""
+    return state_dir() / "pids"
+
+
 class PidRecord:
-    """A JSON file `{kind: [pid, ...]}` naming the processes one owner (a cycle) started."""
+    """A JSON file naming the processes one owner (a cycle, a driver) started, and the driver it runs in.
+
+    `{"driver": {"pid", "started"}, "processes": {kind: [{"pid", "started"}, ...]}}`. The driver is the
+    process that claimed the record first (the cycle's driver; engine servers started from Ray actors add
+    to it, keeping that driver). While the driver runs, the record is its business; once it is gone (a
+    SIGKILL leaves no one to clean up), `reap_dead_records` stops what the record names.
+    Updates are read-modify-write under a lock file and replace the file atomically.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def read(self) -> dict[str, list[int]]:
-        if not self.path.exists():
+    def _load(self) -> dict[str, Any]:
+        try:
+            loaded: dict[str, Any] = json.loads(self.path.read_text())
+        except FileNotFoundError:
             return {}
-        record: dict[str, list[int]] = json.loads(self.path.read_text())
-        return record
+        return loaded
+
+    @contextmanager
+    def _update(self) -> Iterator[dict[str, Any]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            record = self._load()
+            record.setdefault("driver", _identity(os.getpid()))
+            record.setdefault("processes", {})
+            yield record
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(self.path)
+
+    def claim(self) -> None:
+        """Name this process as the record's driver (the cycle's driver, before it starts anything)."""
+        with self._update() as record:
+            record["driver"] = _identity(os.getpid())
+
+    def driver(self) -> tuple[int, int | None] | None:
+        """(pid, start time) of the record's driver, None when nothing was recorded."""
+        found = self._load().get("driver")
+        return (int(found["pid"]), found.get("started")) if found else None
+
+    def driver_alive(self) -> bool:
+        found = self.driver()
+        return found is not None and _runs(*found)
+
+    def read(self) -> dict[str, list[int]]:
+        """The recorded PIDs by kind."""
+        processes = self._load().get("processes", {})
+        return {kind: [int(entry["pid"]) for entry in entries] for kind, entries in processes.items()}
 
     def add(self, kind: str, pids: Iterable[int]) -> None:
-        record = self.read()
-        record[kind] = sorted({*record.get(kind, []), *pids})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(record))
+        with self._update() as record:
+            entries = {int(entry["pid"]): entry for entry in record["processes"].get(kind, [])}
+            for pid in pids:
+                entries[int(pid)] = _identity(int(pid))
+            record["processes"][kind] = [entries[pid] for pid in sorted(entries)]
 
     def forget(self, kind: str) -> None:
-        record = self.read()
-        if record.pop(kind, None) is not None:
-            self.path.write_text(json.dumps(record))
+        if not self.path.exists():
+            return
+        with self._update() as record:
+            record["processes"].pop(kind, None)
 
     def stop_all(self, grace_s: float = 10.0) -> list[int]:
-        """Stop every recorded process and delete the record; returns the PIDs signalled."""
-        pids = [pid for kind_pids in self.read().values() for pid in kind_pids]
-        signalled = stop_processes(pids, grace_s) if pids else []
+        """Stop every recorded process still running and delete the record; returns the PIDs signalled."""
+        processes = self._load().get("processes", {})
+        running = [
+            int(entry["pid"])
+            for entries in processes.values()
+            for entry in entries
+            if _runs(int(entry["pid"]), entry.get("started"))
+        ]
+        signalled = stop_processes(running, grace_s) if running else []
         self.path.unlink(missing_ok=True)
+        self.path.with_name(self.path.name + ".lock").unlink(missing_ok=True)
         return signalled
+
+
+def _identity(pid: int) -> dict[str, Any]:
+    return {"pid": pid, "started": process_start_time(pid)}
+
+
+def reap_dead_records(folder: Path | None = None, grace_s: float = 10.0) -> list[int]:
+    """Stop the processes named by records whose driver is gone, and delete those records.
+
+    Called when a run starts: a driver killed by SIGKILL (or the OOM killer) never ran its cleanup, so
+    its Prefect server, Ray head and engine servers may still run. Records of live drivers are left
+    alone. Returns the PIDs signalled.
+    """
+    signalled: list[int] = []
+    for path in sorted((folder or pid_records_dir()).glob("*.json")):
+        record = PidRecord(path)
+        try:
+            if record.driver_alive():
+                continue
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable: nothing it names can be trusted
+            path.unlink(missing_ok=True)
+            continue
+        signalled += record.stop_all(grace_s)
+    return signalled

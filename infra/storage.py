@@ -116,6 +116,11 @@ def write_chunks_atomic(
                 if fsync:
                     os.fsync(handle.fileno())
             os.replace(tmp, path)
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # A failed write (ENOSPC, EIO) names no file by itself: say which one, and how far it got.
+            raise OSError(error.errno, f"{error.strerror} after {size} bytes", str(path)) from error
         finally:
             tmp.unlink(missing_ok=True)
         return digest.hexdigest(), size
@@ -157,6 +162,35 @@ class ShardNotListedError(KeyError):
 
 class ManifestNotFoundError(FileNotFoundError):
     """The dataset has no manifest.json: it was never committed (or is being rewritten)."""
+
+
+class UnsafeShardNameError(ValueError):
+    """A manifest lists a shard whose name would resolve outside its dataset folder (`../x`, `/etc/x`)."""
+
+    def __init__(self, manifest_uri: str, shard: str, reason: str) -> None:
+        super().__init__(
+            f"{manifest_uri}: refused: shard name {shard!r} {reason} "
+            "(a shard must be a plain file name inside the dataset folder)"
+        )
+        self.manifest_uri = manifest_uri
+        self.shard = shard
+
+
+def shard_name_problem(name: str) -> str | None:
+    """Why `name` is not a shard name (a plain file name inside the dataset folder), or None.
+
+    Writers and readers apply the same rule, so a manifest edited by hand or written by something else
+    can never make a reader open a file outside the dataset.
+    """
+    if not name:
+        return "is empty"
+    if "/" in name or "\\" in name or "\0" in name:
+        return "is a path"
+    if name.startswith("."):
+        return "starts with '.' (a parent folder or a hidden file)"
+    if name == MANIFEST_NAME:
+        return f"is the dataset's own {MANIFEST_NAME}"
+    return None
 
 
 class ShardInfo(BaseModel):
@@ -253,8 +287,9 @@ class DatasetWriter:
     def _check_new_shard(self, name: str) -> None:
         if self._committed:
             raise RuntimeError(f"dataset {self.uri} is already committed")
-        if not name or "/" in name or name.startswith(".") or name == MANIFEST_NAME:
-            raise ValueError(f"invalid shard name {name!r}")
+        problem = shard_name_problem(name)
+        if problem is not None:
+            raise ValueError(f"invalid shard name {name!r}: {problem}")
         with self._lock:
             if name in self._claimed:
                 raise ValueError(f"shard {name!r} written twice to {self.uri}")
@@ -337,6 +372,10 @@ def read_manifest(uri: str, options: StorageOptions | None = None) -> Manifest:
         manifest = Manifest.model_validate_json(raw)
     except ValidationError as error:
         raise ValueError(f"{manifest_uri} is not a valid manifest: {error}") from None
+    for shard in manifest.shards:
+        problem = shard_name_problem(shard.name)
+        if problem is not None:
+            raise UnsafeShardNameError(manifest_uri, shard.name, problem)
     manifest.uri = uri.rstrip("/")
     return manifest
 

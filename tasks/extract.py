@@ -54,7 +54,13 @@ def _extract_in_process(
     actor_class = remote_hidden_state_extractor(float(section.num_gpus_per_actor))
     layer_ids = config.aux_layer_ids_internal()
     actors = [
-        actor_class.remote(target_path, list(layer_ids.ids), "layer_input", str(section.dtype))
+        actor_class.remote(
+            target_path,
+            list(layer_ids.ids),
+            "layer_input",
+            str(section.dtype),
+            trust_remote_code=config.target.trust_remote_code,
+        )
         for _ in slices
     ]
     try:

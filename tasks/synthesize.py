@@ -56,7 +56,9 @@ def _generate_in_process(
 ) -> SynthesisResult:
     ensure_ray(config.ray.address)
     actor_class = remote_target_generator(float(config.synthesis.num_gpus))
-    actor = actor_class.remote(target_path, dtype=str(config.extraction.dtype))
+    actor = actor_class.remote(
+        target_path, dtype=str(config.extraction.dtype), trust_remote_code=config.target.trust_remote_code
+    )
     try:
         result: SynthesisResult = ray.get(
             actor.generate.remote(

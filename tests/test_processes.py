@@ -1,14 +1,16 @@
-"""infra/processes.py: liveness that sees through zombies, and TERM-then-KILL of process groups."""
+"""infra/processes.py: liveness that sees through zombies, TERM-then-KILL of process groups, and the
+reaping of what a killed run left running."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from draftloop.infra.processes import PidRecord, is_alive, stop_processes
+from draftloop.infra.processes import PidRecord, is_alive, reap_dead_records, stop_processes
 
 
 def _state(pid: int) -> str:
@@ -48,3 +50,51 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path:
     assert not [pid for pid in group if is_alive(int(pid))]  # the child went too (a zombie at most)
     assert not record.path.exists()
     assert stop_processes([leader.pid]) == []  # nothing left to signal
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited and been reaped (a driver killed by SIGKILL, say)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
+def test_records_of_a_dead_driver_are_reaped_and_a_live_drivers_are_kept(tmp_path: Path) -> None:
+    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)  # an engine server left behind
+    kept = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a live run's server
+    try:
+        dead_run = PidRecord(tmp_path / "cycle-dead.json")
+        dead_run.add("engine-baseline", [orphan.pid])
+        # The record's driver: this test claimed it, now pretend it was a driver that died by SIGKILL.
+        record = json.loads(dead_run.path.read_text())
+        record["driver"] = {"pid": _dead_pid(), "started": 1}
+        dead_run.path.write_text(json.dumps(record))
+        live_run = PidRecord(tmp_path / "cycle-live.json")
+        live_run.claim()  # this process: alive
+        live_run.add("engine-baseline", [kept.pid])
+
+        assert reap_dead_records(tmp_path, grace_s=2) == [orphan.pid]
+        assert not is_alive(orphan.pid)  # (reaped by stop_processes: its exit status is not ours to see)
+        assert not dead_run.path.exists()
+        assert is_alive(kept.pid)
+        assert live_run.read() == {"engine-baseline": [kept.pid]}
+    finally:
+        for process in (orphan, kept):
+            stop_processes([process.pid], grace_s=1)
+
+
+def test_a_reused_pid_is_never_signalled(tmp_path: Path) -> None:
+    """A record names a process by PID and start time: a stranger now holding that PID is left alone."""
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        record = PidRecord(tmp_path / "cycle-old.json")
+        record.add("engine-baseline", [stranger.pid])
+        stored = json.loads(record.path.read_text())
+        stored["driver"] = {"pid": _dead_pid(), "started": 1}
+        stored["processes"]["engine-baseline"][0]["started"] -= 1  # the recorded process started earlier
+        record.path.write_text(json.dumps(stored))
+        assert reap_dead_records(tmp_path, grace_s=1) == []
+        assert is_alive(stranger.pid)
+        assert not record.path.exists()
+    finally:
+        stop_processes([stranger.pid], grace_s=1)

@@ -14,6 +14,7 @@ is an error.
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import json
 import os
 import pkgutil
@@ -84,6 +85,16 @@ COMMON_FATAL_PATTERNS: tuple[FatalPattern, ...] = (
 )
 
 
+def is_loopback(host: str) -> bool:
+    """True when `host` (an address or "localhost") is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """The engine section of the experiment config, as the engine modules need it."""
@@ -100,6 +111,8 @@ class EngineSettings:
     env: Mapping[str, str] = field(default_factory=dict)
     num_gpus: float = 0
     kv_cache_space_gib: int = 1
+    host: str = "127.0.0.1"  # the address servers bind; beyond loopback they require `api_key`
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +261,10 @@ class Engine(ABC):
     def counters_from_response(self, response: Mapping[str, Any]) -> SpecCounters | None:
         """Per-request counters carried in a completion response (engines without cumulative counters)."""
         return None
+
+    def request_headers(self) -> dict[str, str]:
+        """Headers every request to this engine's server carries: the bearer token when it has one."""
+        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
 
     def request_extras(self) -> dict[str, Any]:
         """Extra fields every benchmark request carries (e.g. to ask for per-request metadata)."""

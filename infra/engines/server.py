@@ -30,8 +30,16 @@ from typing import Any
 
 import httpx
 
-from draftloop.infra.engines.base import Engine, EngineError, EngineSettings, ServerSpec
-from draftloop.infra.processes import is_alive, stop_processes
+from draftloop.infra.engines.base import (
+    Engine,
+    EngineConfigError,
+    EngineError,
+    EngineSettings,
+    ServerSpec,
+    is_loopback,
+)
+from draftloop.infra.processes import PidRecord, is_alive, stop_processes
+from draftloop.infra.redaction import redact_text
 
 SHM_DIR = Path("/dev/shm")
 PIDFILE_DIR_NAME = "engine-servers"
@@ -233,6 +241,7 @@ class EngineServer:
         port: int | None = None,
         served_model_name: str = "target",
         startup_timeout_s: float | None = None,
+        pid_record: PidRecord | None = None,
     ) -> None:
         self.engine = engine
         self.target_dir = Path(target_dir).resolve()
@@ -245,6 +254,9 @@ class EngineServer:
         self.startup_timeout_s = float(startup_timeout_s or engine.settings.startup_timeout_s)
         self.log_path = self.run_dir / f"server-{name}.log"
         self.pidfile = self.run_dir / PIDFILE_DIR_NAME / f"{name}.json"
+        # The cycle's PID record: the server is in it from the moment it is spawned, so a driver killed
+        # while the server starts still leaves it to the next run's reaper.
+        self.pid_record = pid_record
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         self._started_at = 0.0
@@ -258,7 +270,14 @@ class EngineServer:
     def base_url(self) -> str:
         if self.port is None:
             raise EngineError("server not started")
-        return f"http://127.0.0.1:{self.port}"
+        host = self.engine.settings.host
+        # A wildcard bind is reached through loopback here; a named address through itself.
+        reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return f"http://{f'[{reach}]' if ':' in reach else reach}:{self.port}"
+
+    @property
+    def record_kind(self) -> str:
+        return f"engine-{self.name}"
 
     @property
     def pid(self) -> int | None:
@@ -270,6 +289,13 @@ class EngineServer:
         """Clean stale state, then launch the server process (returns at once; see wait_ready)."""
         if self.process is not None:
             raise EngineError(f"server {self.name} already started")
+        settings = self.engine.settings
+        if not is_loopback(settings.host) and not settings.api_key:
+            raise EngineConfigError(
+                "engine.api_key",
+                f"required: engine.host {settings.host!r} exposes the {self.engine.kind} server beyond "
+                "this machine",
+            )
         self.engine.check_python()
         if not (self.target_dir / "config.json").is_file():
             raise EngineError(f"target folder {self.target_dir} has no config.json")
@@ -289,7 +315,7 @@ class EngineServer:
         # Recorded as passed: it must equal /proc/<pid>/cmdline for the stale-server check.
         self._argv = argv
         log = self.log_path.open("wb")
-        log.write(f"# draftloop: {' '.join(argv)}\n".encode())
+        log.write(f"# draftloop: {redact_text(' '.join(argv))}\n".encode())
         log.flush()
         _install_exit_handlers()
         self._started_at = time.monotonic()
@@ -308,6 +334,8 @@ class EngineServer:
         with _LIVE_LOCK:
             _LIVE.add(self)
         self._write_pidfile()
+        if self.pid_record is not None:
+            self.pid_record.add(self.record_kind, [self.process.pid])
         return self
 
     def _record_own_shm(self) -> None:
@@ -392,7 +420,7 @@ class EngineServer:
             raise EngineError(f"server {self.name} not started")
         deadline = self._started_at + float(timeout_s or self.startup_timeout_s)
         health_ok = False
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, headers=self.engine.request_headers()) as client:
             while True:
                 self.check_alive()
                 try:
@@ -423,7 +451,12 @@ class EngineServer:
             "temperature": 0.0,
         }
         try:
-            response = httpx.post(self.base_url + "/v1/chat/completions", json=body, timeout=120.0)
+            response = httpx.post(
+                self.base_url + "/v1/chat/completions",
+                json=body,
+                headers=self.engine.request_headers(),
+                timeout=120.0,
+            )
         except httpx.HTTPError as exc:
             self.check_alive()
             raise EngineSmokeError(f"server {self.name!r}: chat completion failed: {exc}") from exc
@@ -443,7 +476,9 @@ class EngineServer:
         return SmokeResult(content=content, reasoning=reasoning)
 
     def metrics_text(self) -> str:
-        response = httpx.get(self.base_url + self.engine.metrics_path, timeout=30.0)
+        response = httpx.get(
+            self.base_url + self.engine.metrics_path, headers=self.engine.request_headers(), timeout=30.0
+        )
         response.raise_for_status()
         return response.text
 
@@ -465,6 +500,8 @@ class EngineServer:
         # process holds any more: its leftovers. Files of other processes are never touched.
         _remove_unused_shm(self._own_shm | _pid_tagged_shm(self._own_pids))
         self.pidfile.unlink(missing_ok=True)
+        if self.pid_record is not None:
+            self.pid_record.forget(self.record_kind)
         with _LIVE_LOCK:
             _LIVE.discard(self)
 
@@ -510,6 +547,10 @@ class EngineServerActor:
 
     def metrics_text(self) -> str:
         return self.server.metrics_text()
+
+    def check_alive(self) -> None:
+        """EngineStartError (with the log excerpt) when the server has exited or logged a fatal error."""
+        self.server.check_alive()
 
     def stop(self) -> None:
         self.server.stop()

@@ -50,7 +50,9 @@ class SglangEngine(Engine):
         s = self.settings
         argv = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(spec.target_dir)]
         argv += ["--served-model-name", spec.served_model_name, "--enable-metrics"]
-        argv += ["--host", "127.0.0.1", "--port", str(spec.port), "--dtype", s.dtype, "--random-seed", "0"]
+        argv += ["--host", s.host, "--port", str(spec.port), "--dtype", s.dtype, "--random-seed", "0"]
+        if s.api_key:
+            argv += ["--api-key", s.api_key]
         argv += ["--context-length", str(s.max_model_len), "--max-running-requests", str(s.max_num_seqs)]
         if s.enforce_eager:
             argv.append("--disable-cuda-graph")

@@ -81,6 +81,8 @@ class VllmEngine(Engine):
             "DRAFTLOOP_PLUGIN_REPORT": str(run_dir / "plugin-report.jsonl"),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.settings.api_key:  # an environment variable, not --api-key: argv is visible to `ps`
+            env["VLLM_API_KEY"] = self.settings.api_key
         if self.settings.num_gpus <= 0:
             env.update(
                 {
@@ -108,7 +110,7 @@ class VllmEngine(Engine):
         s = self.settings
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.target_dir)]
         argv += ["--served-model-name", spec.served_model_name]
-        argv += ["--host", "127.0.0.1", "--port", str(spec.port), "--dtype", s.dtype, "--seed", "0"]
+        argv += ["--host", s.host, "--port", str(spec.port), "--dtype", s.dtype, "--seed", "0"]
         argv += ["--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs)]
         if s.enforce_eager:
             argv.append("--enforce-eager")

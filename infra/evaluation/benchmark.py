@@ -298,7 +298,7 @@ class _Client:
         self.engine = engine
         self.max_tokens = max_tokens
         limits = httpx.Limits(max_connections=width + 2, max_keepalive_connections=width + 2)
-        self.http = httpx.AsyncClient(timeout=timeout_s, limits=limits)
+        self.http = httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=engine.request_headers())
 
     async def send(self, index: int, ids: Sequence[int]) -> RequestResult:
         body: dict[str, Any] = {

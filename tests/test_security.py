@@ -1,0 +1,224 @@
+"""Security: manifests that escape their folder, secrets redacted, exposed engine servers need a key,
+remote code off by default. The cycle-level secrets test (slow) plants secrets and greps everything written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from draftloop.infra import storage
+from draftloop.infra.config import ConfigError, ExperimentConfig
+from draftloop.infra.engines.base import EngineConfigError, EngineSettings, ServerSpec, is_loopback
+from draftloop.infra.engines.server import EngineServer
+from draftloop.infra.engines.vllm import VllmEngine
+from draftloop.infra.evaluation.benchmark import _Client
+from draftloop.infra.redaction import (
+    REDACTED,
+    install_log_redaction,
+    redact,
+    redact_text,
+    redacted_copy,
+    secret_values,
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Manifests
+
+
+@pytest.mark.parametrize("shard", ["../x", "../../etc/passwd", "/etc/passwd", "a/../../b", "..", "..\\x"])
+def test_a_manifest_whose_shard_escapes_the_dataset_is_refused(tmp_path: Path, shard: str) -> None:
+    uri = str(tmp_path / "ds")
+    writer = storage.DatasetWriter(uri)
+    writer.write_shard("shard-00000.bin", b"abc", rows=1)
+    writer.commit("unit")
+    manifest_path = Path(uri) / storage.MANIFEST_NAME
+    raw = json.loads(manifest_path.read_text())
+    raw["shards"][0]["name"] = shard  # as a tampered (or foreign) manifest would list it
+    manifest_path.write_text(json.dumps(raw))
+    with pytest.raises(storage.UnsafeShardNameError) as refused:
+        storage.read_manifest(uri)
+    assert str(manifest_path) in str(refused.value)
+    assert repr(shard) in str(refused.value)
+    assert refused.value.shard == shard
+
+
+# ---------------------------------------------------------------------------------------------------
+# Redaction
+
+AWS_KEY_ID = "AKIAIOSFODNN7EXAMPLE"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+@pytest.mark.parametrize(
+    ("text", "secret", "kept"),
+    [
+        (
+            "postgresql://draft:s3cr3t-pw@127.0.0.1:5432/mlflow",
+            "s3cr3t-pw",
+            "postgresql://draft:***@127.0.0.1",
+        ),
+        (f"aws_access_key_id={AWS_KEY_ID}", AWS_KEY_ID, "aws_access_key_id="),
+        (f'{{"aws_secret_access_key": "{AWS_SECRET}"}}', AWS_SECRET, '"aws_secret_access_key": "***"'),
+        ("HF_TOKEN=hf_abcdefghijklmnop python x.py", "hf_abcdefghijklmnop", "python x.py"),
+        ("serve --api-key sk-live-123456 --port 1", "sk-live-123456", "--port 1"),
+        ("Authorization: Bearer abcdef123456", "abcdef123456", "Authorization: Bearer ***"),
+        ("engine.api_key: sk-live-123456", "sk-live-123456", "engine.api_key: ***"),
+    ],
+)
+def test_secrets_in_text_are_redacted(text: str, secret: str, kept: str) -> None:
+    redacted = redact_text(text)
+    assert secret not in redacted
+    assert kept in redacted
+
+
+def test_ordinary_values_are_not_redacted() -> None:
+    text = "max_tokens=32 num_speculative_tokens: 3 cache_key=abc123def tokens/s 1.03e+03 http://127.0.0.1:8000/api"
+    assert redact_text(text) == text
+    tree = {"evaluation": {"max_tokens": 64}, "engine": {"api_key": None, "kind": "vllm"}}
+    assert redact(tree) == tree
+
+
+def test_a_config_tree_is_redacted_by_key_and_its_secrets_are_found() -> None:
+    tree = {
+        "engine": {
+            "api_key": "sk-live-123456",
+            "env": {"HF_TOKEN": "hf_abcdefghijklmnop", "OMP_NUM_THREADS": "2"},
+            "extra_args": ["--api-key", "sk-other-987654", "--max-num-seqs", "4"],
+        },
+        "tracking": {"mlflow_uri": "postgresql://draft:s3cr3t-pw@127.0.0.1/mlflow"},
+    }
+    shown = redact(tree)
+    assert shown["engine"]["api_key"] == REDACTED
+    assert shown["engine"]["env"] == {"HF_TOKEN": REDACTED, "OMP_NUM_THREADS": "2"}
+    assert shown["engine"]["extra_args"] == ["--api-key", REDACTED, "--max-num-seqs", "4"]
+    assert shown["tracking"]["mlflow_uri"] == "postgresql://draft:***@127.0.0.1/mlflow"
+    assert sorted(secret_values(tree)) == ["hf_abcdefghijklmnop", "sk-live-123456", "sk-other-987654"]
+
+
+def test_secret_environment_values_are_redacted_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
+    assert (
+        redact_text(f"failed with credentials {AWS_SECRET} at s3://b/k")
+        == "failed with credentials *** at s3://b/k"
+    )
+
+
+def test_uploaded_text_files_are_redacted_copies(tmp_path: Path) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    (folder / "server.log").write_text("--api-key sk-live-123456\nready\n")
+    (folder / "weights.safetensors").write_bytes(b"\x00sk-live-123456")  # binary: uploaded as is
+    with redacted_copy(folder) as upload:
+        assert upload != folder
+        assert (upload / "server.log").read_text() == "--api-key ***\nready\n"
+        assert (upload / "weights.safetensors").read_bytes() == b"\x00sk-live-123456"
+    assert "sk-live-123456" in (folder / "server.log").read_text()  # the original is untouched
+    clean = tmp_path / "clean.log"
+    clean.write_text("nothing secret\n")
+    with redacted_copy(clean) as upload:
+        assert upload == clean
+
+
+def test_prefect_run_log_records_are_redacted() -> None:
+    install_log_redaction()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("prefect.flow_runs")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("cannot connect to postgresql://draft:s3cr3t-pw@db/mlflow")
+        except RuntimeError:
+            logger.error("stage failed: %s", "token=abcdef123456", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    (record,) = records
+    formatted = logging.Formatter().format(record)
+    assert "abcdef123456" not in formatted and "s3cr3t-pw" not in formatted
+    assert "stage failed: token=***" in formatted and "postgresql://draft:***@db" in formatted
+
+
+def test_prefect_parameters_are_stored_redacted() -> None:
+    from draftloop.flows.train_and_eval import train_and_eval
+
+    stored = train_and_eval.serialize_parameters(
+        {"config": "c.yaml", "overrides": {"engine.api_key": "sk-live-123456", "training.lr": 0.001}}
+    )
+    assert stored == {"config": "c.yaml", "overrides": {"engine.api_key": REDACTED, "training.lr": 0.001}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engine servers: loopback unless configured; beyond it only with an API key
+
+
+def _raw_config(tmp_path: Path, engine: dict[str, Any]) -> dict[str, Any]:
+    target = tmp_path / "target"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 32})
+    )
+    return {"name": "sec", "target": {"path": str(target)}, "engine": engine}
+
+
+def test_engine_binds_loopback_by_default(tmp_path: Path) -> None:
+    config = ExperimentConfig.from_dict(_raw_config(tmp_path, {}), check_environment=False)
+    assert config.engine.host == "127.0.0.1"
+    argv = VllmEngine(config.engine.settings()).server_command(ServerSpec(tmp_path, 8000))
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert "--api-key" not in argv
+
+
+def test_an_exposed_engine_without_an_api_key_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engine.api_key") as refused:
+        ExperimentConfig.from_dict(_raw_config(tmp_path, {"host": "0.0.0.0"}), check_environment=False)
+    assert "0.0.0.0" in str(refused.value)
+    # The server refuses too, whoever builds its settings.
+    server = EngineServer(VllmEngine(EngineSettings(host="0.0.0.0")), tmp_path, tmp_path / "run")
+    with pytest.raises(EngineConfigError) as no_key:
+        server.start()
+    assert no_key.value.field == "engine.api_key"
+    assert server.process is None
+
+
+def test_an_exposed_engine_gets_its_key_and_clients_send_it(tmp_path: Path) -> None:
+    raw = _raw_config(tmp_path, {"host": "0.0.0.0", "api_key": "sk-live-123456"})
+    settings = ExperimentConfig.from_dict(raw, check_environment=False).engine.settings()
+    engine = VllmEngine(settings)
+    argv = engine.server_command(ServerSpec(tmp_path, 8000))
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert "sk-live-123456" not in " ".join(argv)  # argv is visible to every user through ps
+    assert engine.server_env(tmp_path)["VLLM_API_KEY"] == "sk-live-123456"
+    client = _Client("http://127.0.0.1:8000", "target", engine, max_tokens=4, timeout_s=5.0, width=1)
+    assert client.http.headers["Authorization"] == "Bearer sk-live-123456"
+    assert EngineServer(engine, tmp_path, tmp_path / "run", port=8000).base_url == "http://127.0.0.1:8000"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Remote code
+
+
+def test_trust_remote_code_is_off_unless_the_config_trusts_the_target(tmp_path: Path) -> None:
+    from draftloop.infra import actors
+
+    config = ExperimentConfig.from_dict(_raw_config(tmp_path, {}), check_environment=False)
+    assert config.target.trust_remote_code is False
+    with (
+        mock.patch.object(actors.AutoTokenizer, "from_pretrained") as tokenizer,
+        mock.patch.object(actors.AutoModelForCausalLM, "from_pretrained") as model,
+    ):
+        actors.TargetGenerator(config.target.path, device="cpu")
+        actors.HiddenStateExtractor(config.target.path, [0, 1, 2], "layer_input", device="cpu")
+    assert [call.kwargs["trust_remote_code"] for call in tokenizer.call_args_list] == [False, False]
+    assert [call.kwargs["trust_remote_code"] for call in model.call_args_list] == [False, False]
