@@ -150,8 +150,7 @@ def run(
             if stage_run is not None:
                 stage_run.log_metric_history(history)
                 stage_run.log_metric_history(held_out, step_key="epoch")
-                stage_run.log_artifact(curves, "plots")
-                stage_run.log_artifact(final / "drafter", "drafter")
+                stage_run.log_artifact(curves, "plots")  # the drafter: logged once, as register's model
             writer = DatasetWriter(work.uri, storage_options=storage_options(config))
             for name in DRAFTER_FILES:
                 writer.write_shard(name, (final / "drafter" / name).read_bytes(), rows=0)

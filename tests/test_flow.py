@@ -209,7 +209,13 @@ def test_full_cycle_records_results_registry_and_artifacts(
     assert len(client.get_metric_history(train_id, "loss")) == 6  # 2 epochs x 3 steps
     assert len(client.get_metric_history(train_id, "acc_2")) == 6  # per-position accuracy per step
     assert {item.path for item in client.list_artifacts(train_id, "plots")} == {"plots/training_curves.png"}
-    assert "drafter/model.safetensors" in {item.path for item in client.list_artifacts(train_id, "drafter")}
+    # The drafter is stored once: the registered version's MLflow model (MLmodel + drafter/), not train's run.
+    assert not client.list_artifacts(train_id, "drafter")
+    model_files = {item.path for item in client.list_logged_model_artifacts(registered["model_id"])}
+    assert {"MLmodel", "drafter"} <= model_files
+    assert version.description.splitlines()[0] == registered["verdict"]
+    cycle_metrics = client.get_run(summary["mlflow_run_id"]).data.metrics  # the runs list's columns
+    assert cycle_metrics["gate_passed"] == float(registered["champion"]) and "speedup_c1" in cycle_metrics
     evaluate_metrics = stages["evaluate"].data.metrics
     for key in (
         "speedup.c1",
