@@ -213,7 +213,7 @@ def test_full_cycle_records_results_registry_and_artifacts(
     assert not client.list_artifacts(train_id, "drafter")
     model_files = {item.path for item in client.list_logged_model_artifacts(registered["model_id"])}
     assert {"MLmodel", "drafter"} <= model_files
-    assert version.description.splitlines()[0] == registered["verdict"]
+    assert (version.description or "").splitlines()[0] == registered["verdict"]
     cycle_metrics = client.get_run(summary["mlflow_run_id"]).data.metrics  # the runs list's columns
     assert cycle_metrics["gate_passed"] == float(registered["champion"]) and "speedup_c1" in cycle_metrics
     evaluate_metrics = stages["evaluate"].data.metrics
