@@ -1,28 +1,45 @@
-"""`draftloop up` / `draftloop down`: a local Prefect server + process worker + MLflow UI, by PID.
+"""`draftloop up` / `draftloop down`: a Prefect server + process worker + MLflow server, by PID.
 
-Everything binds 127.0.0.1 and lives under `.draftloop/` (PREFECT_HOME, logs, PID files). `up` is
-idempotent: services whose recorded PID is alive are left alone. `down` stops exactly the processes
-`up` recorded (their process groups: a Prefect server or worker has children), SIGTERM then SIGKILL.
+Two profiles. `local` (default): Prefect on its own SQLite, MLflow on SQLite with artifacts in a local
+folder, everything under `.draftloop/`. `team`: the Prefect server on PostgreSQL, MLflow on PostgreSQL
+with its artifacts proxied to S3 (`TeamBackends`), so several people share one history. Both bind
+127.0.0.1 unless a host is given, and both create the Prefect global concurrency limit `gpus` (one slot
+per GPU of the machine) that each GPU-using stage holds while it runs (`hold_gpus`), so two cycles never
+take the same GPUs.
+
+`up` is idempotent: services whose recorded PID is alive are left alone. `down` stops exactly the
+processes `up` recorded (their process groups: a Prefect server or worker has children), SIGTERM then
+SIGKILL. PREFECT_HOME, logs and PID files live under `.draftloop/services/`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.processes import is_alive, state_dir, stop_processes
 
 WORK_POOL = "draftloop"
 SERVICE_NAMES = ("prefect-server", "mlflow", "prefect-worker")
+PROFILES = ("local", "team")
+# The Prefect global concurrency limit `up` creates and GPU stages hold: one slot per GPU.
+GPU_LIMIT = "gpus"
 
 
 @dataclass
@@ -31,6 +48,27 @@ class Service:
     pid: int
     url: str | None
     log: str
+
+
+@dataclass(frozen=True)
+class TeamBackends:
+    """Where the team profile keeps its state: two PostgreSQL databases and an artifact store.
+
+    Two databases, not one: Prefect and MLflow each keep an `alembic_version` table.
+    """
+
+    prefect_database_url: str  # postgresql://user:password@host:5432/prefect
+    mlflow_database_url: str  # postgresql://user:password@host:5432/mlflow
+    mlflow_artifacts: str  # s3://bucket/prefix: the MLflow server proxies every artifact there
+    s3_endpoint_url: str | None = None  # a non-AWS S3 (MinIO, moto, Ceph)
+
+
+def with_driver(database_url: str, driver: str) -> str:
+    """`postgresql+<driver>://...` for any PostgreSQL URL (`postgres://`, `postgresql+psycopg://`, ...)."""
+    match = re.match(r"^(postgres|postgresql)(\+\w+)?://", database_url)
+    if match is None:
+        raise ValueError("not a PostgreSQL URL (postgresql://user:password@host:port/database)")
+    return f"postgresql+{driver}://{database_url[match.end() :]}"
 
 
 def services_dir(root: Path | None = None) -> Path:
@@ -44,12 +82,12 @@ def free_port() -> int:
         return port
 
 
-def port_or_free(preferred: int | None) -> int:
-    """`preferred` when nothing listens on it (127.0.0.1), otherwise any free port."""
+def port_or_free(preferred: int | None, host: str = "127.0.0.1") -> int:
+    """`preferred` when nothing listens on it, otherwise any free port."""
     if preferred:
         with socket.socket() as sock:
             try:
-                sock.bind(("127.0.0.1", preferred))
+                sock.bind((host, preferred))
             except OSError:
                 return free_port()
             return preferred
@@ -80,10 +118,10 @@ def _bin(name: str) -> str:
 
 
 # A small cycle (a few minutes on a laptop CPU) for the command `draftloop up` prints.
-QUICK_RUN_PARAMS: dict[str, int] = {"num_samples": 32, "epochs": 2}
+QUICK_RUN_PARAMS: dict[str, Any] = {"num_samples": 32, "epochs": 2}
 
 
-def deployment_run_command(api_url: str, params: dict[str, int] | None = None) -> str:
+def deployment_run_command(api_url: str, params: dict[str, Any] | None = None) -> str:
     """A copy-paste shell command that runs one `train-and-eval` cycle on the server at `api_url`."""
     return shlex.join(
         [
@@ -150,20 +188,31 @@ def _wait_http(url: str, service: Service, timeout_s: float) -> None:
     raise TimeoutError(f"{service.name} did not answer {url} within {timeout_s:.0f} s (log: {service.log})")
 
 
-def mlflow_server_command(port: int, backend_store_uri: str, artifact_flag: str, artifacts: str) -> list[str]:
-    """`mlflow server` on 127.0.0.1:`port`, one worker; `artifact_flag` is `--default-artifact-root`
-    (clients write artifacts there directly) or `--artifacts-destination` (the server proxies them)."""
+def mlflow_server_command(
+    port: int, backend_store_uri: str, artifact_flag: str, artifacts: str, host: str = "127.0.0.1"
+) -> list[str]:
+    """A light `mlflow server` on `host`:`port` for one machine or a small team.
+
+    One worker process, and MLflow 3's job execution off (MLFLOW_SERVER_ENABLE_JOB_EXECUTION: its job
+    runner and seven Huey consumers serve GenAI scorers draftloop does not use; with them the server
+    tree holds ~2 GB instead of ~0.5 GB). The settings go through `env`, which execs mlflow in place
+    (same PID), so every launcher gets the same server; the backend URI, which may hold a password,
+    travels in MLFLOW_BACKEND_STORE_URI rather than on the server's command line. `artifact_flag` is
+    `--default-artifact-root` (clients write artifacts there directly) or `--artifacts-destination`
+    (the server proxies them).
+    """
     return [
+        shutil.which("env") or "/usr/bin/env",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false",
+        f"MLFLOW_BACKEND_STORE_URI={backend_store_uri}",
         _bin("mlflow"),
         "server",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--workers",
         "1",
-        "--backend-store-uri",
-        backend_store_uri,
         artifact_flag,
         artifacts,
     ]
@@ -185,6 +234,74 @@ def _run(argv: list[str], env: dict[str, str], root: Path | None, timeout_s: flo
     return done.stdout
 
 
+def detected_gpus() -> int:
+    """GPUs `nvidia-smi -L` lists on this machine (0 without an NVIDIA driver)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
+def ensure_gpu_limit(api_url: str, slots: int) -> dict[str, Any]:
+    """Create (or resize) the `gpus` global concurrency limit on the Prefect server at `api_url`."""
+    endpoint = f"{api_url}/v2/concurrency_limits"
+    existing = httpx.get(f"{endpoint}/{GPU_LIMIT}", timeout=30)
+    if existing.status_code == 404:
+        httpx.post(f"{endpoint}/", json={"name": GPU_LIMIT, "limit": slots}, timeout=30).raise_for_status()
+    else:
+        existing.raise_for_status()
+        httpx.patch(f"{endpoint}/{GPU_LIMIT}", json={"limit": slots}, timeout=30).raise_for_status()
+    current = httpx.get(f"{endpoint}/{GPU_LIMIT}", timeout=30)
+    current.raise_for_status()
+    limit: dict[str, Any] = current.json()
+    return limit
+
+
+def stage_gpus(config: ExperimentConfig, stage: str) -> int:
+    """Whole GPUs `stage` takes while it runs (its Ray resource requests, rounded up)."""
+    engine = config.engine.num_gpus
+    requested = {
+        "synthesize": engine if config.synthesis.backend == "engine" else config.synthesis.num_gpus,
+        "extract": engine
+        if config.extraction.backend == "engine"
+        else config.extraction.num_actors * config.extraction.num_gpus_per_actor,
+        "train": config.training.num_workers * config.training.num_gpus_per_worker,
+        "evaluate": engine,  # the baseline server, then the speculative one
+    }.get(stage, 0.0)
+    return math.ceil(requested)
+
+
+@contextmanager
+def hold_gpus(count: int) -> Iterator[None]:
+    """Hold `count` slots of the `gpus` limit (waiting for them) when a Prefect server is configured.
+
+    Without PREFECT_API_URL (`draftloop run`'s ephemeral API, private to one process) nothing is shared,
+    so there is nothing to hold. The slots are leased: a killed holder frees them when the lease lapses.
+    """
+    from prefect import get_run_logger
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import MissingContextError
+    from prefect.settings import PREFECT_API_URL
+
+    if count <= 0 or not PREFECT_API_URL.value():
+        yield
+        return
+    with suppress(MissingContextError):  # called outside a Prefect run: nothing to log into
+        get_run_logger().info(
+            f"taking {count} slot(s) of the `{GPU_LIMIT}` limit (waits while other cycles hold them)"
+        )
+    with concurrency(GPU_LIMIT, occupy=count):
+        yield
+
+
+def _display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
 def up(
     root: Path | None = None,
     prefect_port: int | None = None,
@@ -193,25 +310,46 @@ def up(
     artifact_root: str = ".draftloop/mlartifacts",
     start_worker: bool = True,
     deploy: bool = True,
+    team: TeamBackends | None = None,
+    gpus: int | None = None,
+    host: str = "127.0.0.1",
 ) -> dict[str, Service]:
-    """Start the Prefect server, create the pool, deploy prefect.yaml, start a worker and MLflow's UI."""
+    """Start the Prefect server, create the pool, the `gpus` limit (`gpus` slots, default: this
+    machine's GPUs; none when 0), deploy prefect.yaml, start a worker and the MLflow server.
+
+    With `team`, Prefect and MLflow keep their state in its PostgreSQL databases and MLflow proxies
+    artifacts to its store; otherwise `mlflow_uri` and `artifact_root` (local SQLite and folder).
+    """
     running = {name: svc for name, svc in read_services(root).items() if is_alive(svc.pid)}
     env = base_env(root)
     services: dict[str, Service] = dict(running)
+    shown = _display_host(host)
     try:
         if "prefect-server" not in running:
-            port = port_or_free(prefect_port)
+            port = port_or_free(prefect_port, host)
+            server_env = dict(env)
+            # The UI's API address; Prefect would derive it from PREFECT_API_URL (another server's, when
+            # set) or from port 4200, never from --port: on any other port the UI could not connect.
+            server_env["PREFECT_UI_API_URL"] = f"http://{shown}:{port}/api"
+            if team is not None:
+                # Only the server sees the database URL (it may hold a password): not the worker, not argv.
+                server_env["PREFECT_API_DATABASE_CONNECTION_URL"] = with_driver(
+                    team.prefect_database_url, "asyncpg"
+                )
             server = _spawn(
                 "prefect-server",
-                [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                env,
+                [_bin("prefect"), "server", "start", "--host", host, "--port", str(port)],
+                server_env,
                 root,
-                url=f"http://127.0.0.1:{port}",
+                url=f"http://{shown}:{port}",
             )
             services["prefect-server"] = server
-            _wait_http(f"{server.url}/api/health", server, timeout_s=120)
+            _wait_http(f"{server.url}/api/health", server, timeout_s=180)
         api_url = f"{services['prefect-server'].url}/api"
         env["PREFECT_API_URL"] = api_url
+        slots = detected_gpus() if gpus is None else gpus
+        if slots > 0:
+            ensure_gpu_limit(api_url, slots)
         if deploy:
             listed = _run([_bin("prefect"), "work-pool", "ls"], env, root)
             if WORK_POOL not in listed:
@@ -226,30 +364,47 @@ def up(
                 url=None,
             )
         if "mlflow" not in running:
-            port = port_or_free(mlflow_port)
-            backend = mlflow_uri
-            if backend.startswith("sqlite:///") and not backend.startswith("sqlite:////"):
-                local = (Path(root or Path.cwd()) / backend.removeprefix("sqlite:///")).resolve()
-                local.parent.mkdir(parents=True, exist_ok=True)
-                backend = f"sqlite:///{local}"
-            artifacts = (
-                artifact_root
-                if "://" in artifact_root
-                else str((Path(root or Path.cwd()) / artifact_root).resolve())
-            )
-            mlflow = _spawn(
-                "mlflow",
-                mlflow_server_command(port, backend, "--default-artifact-root", artifacts),
-                env,
-                root,
-                url=f"http://127.0.0.1:{port}",
-            )
+            port = port_or_free(mlflow_port, host)
+            mlflow_env = dict(env)
+            if team is not None:
+                command = mlflow_server_command(
+                    port,
+                    with_driver(team.mlflow_database_url, "psycopg"),
+                    "--artifacts-destination",
+                    team.mlflow_artifacts,
+                    host,
+                )
+                if team.s3_endpoint_url:
+                    mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = team.s3_endpoint_url
+            else:
+                command = mlflow_server_command(
+                    port,
+                    _local_sqlite(mlflow_uri, root),
+                    "--default-artifact-root",
+                    _local(artifact_root, root),
+                    host,
+                )
+            mlflow = _spawn("mlflow", command, mlflow_env, root, url=f"http://{shown}:{port}")
             services["mlflow"] = mlflow
-            _wait_http(f"{mlflow.url}/health", mlflow, timeout_s=120)
+            _wait_http(f"{mlflow.url}/health", mlflow, timeout_s=180)
     except BaseException:
         down(root)  # never leave half a stack behind
         raise
     return services
+
+
+def _local(path_or_uri: str, root: Path | None) -> str:
+    """A URI as given; a relative path resolved against `root`."""
+    return path_or_uri if "://" in path_or_uri else str((Path(root or Path.cwd()) / path_or_uri).resolve())
+
+
+def _local_sqlite(uri: str, root: Path | None) -> str:
+    """`sqlite:///relative.db` made absolute against `root` (the server runs there, clients may not)."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        local = (Path(root or Path.cwd()) / uri.removeprefix("sqlite:///")).resolve()
+        local.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{local}"
+    return uri
 
 
 def down(root: Path | None = None, grace_s: float = 10) -> list[str]:

@@ -1,0 +1,274 @@
+"""`draftloop up`: the printed run command, the team profile's options, the light MLflow server and the
+`gpus` concurrency limit that a stage holds while it runs."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from draftloop.cli import app
+from draftloop.flows.cycle import TrainAndEvalParams
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.processes import is_alive
+from draftloop.infra.services import GPU_LIMIT, Service, stage_gpus, with_driver
+from draftloop.infra.storage import Manifest
+from draftloop.tasks.cache import StageOutcome, StageWork
+from draftloop.tasks.cycle import CycleContext, execute_stage
+
+TEAM_VARIABLES = (
+    "DRAFTLOOP_PREFECT_DATABASE_URL",
+    "DRAFTLOOP_MLFLOW_DATABASE_URL",
+    "DRAFTLOOP_MLFLOW_ARTIFACTS",
+)
+
+
+def gpu_config(**sections: dict[str, Any]) -> ExperimentConfig:
+    return ExperimentConfig.model_validate({"name": "gpu-test", "target": {"path": "/unused"}, **sections})
+
+
+def test_each_stage_asks_for_the_whole_gpus_of_its_ray_requests() -> None:
+    config = gpu_config(
+        training={"num_workers": 2, "num_gpus_per_worker": 1},
+        extraction={"num_actors": 3, "num_gpus_per_actor": 0.5},
+        synthesis={"num_gpus": 1},
+        engine={"num_gpus": 4},
+    )
+    counts = {stage: stage_gpus(config, stage) for stage in ("synthesize", "extract", "train", "evaluate")}
+    assert counts == {"synthesize": 1, "extract": 2, "train": 2, "evaluate": 4}
+    assert stage_gpus(config, "register") == 0
+    engine_data = gpu_config(
+        synthesis={"backend": "engine"}, extraction={"backend": "engine"}, engine={"num_gpus": 2}
+    )
+    assert stage_gpus(engine_data, "synthesize") == stage_gpus(engine_data, "extract") == 2
+    assert stage_gpus(gpu_config(), "train") == 0  # a CPU config takes no slot
+
+
+def test_database_urls_get_each_servers_driver() -> None:
+    assert (
+        with_driver("postgresql://u:p@db:5432/prefect", "asyncpg")
+        == "postgresql+asyncpg://u:p@db:5432/prefect"
+    )
+    assert with_driver("postgres+psycopg2://db/mlflow", "psycopg") == "postgresql+psycopg://db/mlflow"
+    with pytest.raises(ValueError, match="not a PostgreSQL URL"):
+        with_driver("sqlite:///x.db", "asyncpg")
+
+
+def _fake_up(seen: dict[str, Any]) -> Any:
+    def start(root: Path, **options: Any) -> dict[str, Service]:
+        seen.update(options)
+        return {
+            "prefect-server": Service("prefect-server", 11, "http://127.0.0.1:4200", "s.log"),
+            "mlflow": Service("mlflow", 12, "http://127.0.0.1:5000", "m.log"),
+        }
+
+    return start
+
+
+def _printed_run_command(output: str) -> list[str]:
+    lines = [line.strip() for line in output.splitlines() if line.strip().startswith("env PREFECT_API_URL=")]
+    assert len(lines) == 1, output
+    return shlex.split(lines[0])
+
+
+def test_up_prints_a_copy_paste_command_for_a_small_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("draftloop.commands.services.start_services", _fake_up(seen))
+    result = CliRunner().invoke(app, ["up", "--gpus", "2", "--no-worker"])
+    assert result.exit_code == 0, result.output
+    assert seen["team"] is None and seen["gpus"] == 2 and seen["start_worker"] is False
+    words = _printed_run_command(result.output)
+    assert words[:2] == ["env", "PREFECT_API_URL=http://127.0.0.1:4200/api"]
+    assert Path(words[2]).is_absolute() and Path(words[2]).name == "prefect" and Path(words[2]).exists()
+    assert words[3:6] == ["deployment", "run", "train-and-eval/train-and-eval"]
+    params = json.loads(words[words.index("--params") + 1])
+    assert params["num_samples"] <= 32 and params["epochs"] <= 2
+    TrainAndEvalParams(**params)  # every key is a field of the form
+    assert f"`{GPU_LIMIT}`: 2 slots" in result.output
+
+
+def test_team_profile_takes_its_backends_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("draftloop.commands.services.start_services", _fake_up(seen))
+    monkeypatch.setenv("DRAFTLOOP_PREFECT_DATABASE_URL", "postgresql://team:s3cret@db:5432/prefect")
+    monkeypatch.setenv("DRAFTLOOP_MLFLOW_DATABASE_URL", "postgresql://team:s3cret@db:5432/mlflow")
+    monkeypatch.setenv("DRAFTLOOP_MLFLOW_ARTIFACTS", "s3://team-bucket/mlartifacts")
+    result = CliRunner().invoke(app, ["up", "--profile", "team", "--gpus", "0"])
+    assert result.exit_code == 0, result.output
+    team = seen["team"]
+    assert team.prefect_database_url.endswith("@db:5432/prefect")
+    assert team.mlflow_database_url.endswith("@db:5432/mlflow")
+    assert team.mlflow_artifacts == "s3://team-bucket/mlartifacts"
+    assert "s3cret" not in result.output  # the database password is never printed
+    params = json.loads((words := _printed_run_command(result.output))[words.index("--params") + 1])
+    # The worker's runs track into the team's MLflow, not the shipped config's local SQLite file.
+    assert params["overrides"] == {"tracking.mlflow_uri": "http://127.0.0.1:5000"}
+    TrainAndEvalParams(**params)
+
+
+@pytest.mark.parametrize(
+    ("environment", "named"),
+    [
+        ({}, "--prefect-database-url (or DRAFTLOOP_PREFECT_DATABASE_URL) is required"),
+        (
+            {
+                "DRAFTLOOP_PREFECT_DATABASE_URL": "mysql://db/prefect",
+                "DRAFTLOOP_MLFLOW_DATABASE_URL": "postgresql://db/m",
+            },
+            "--prefect-database-url (or DRAFTLOOP_PREFECT_DATABASE_URL): not a PostgreSQL URL",
+        ),
+        (
+            {
+                "DRAFTLOOP_PREFECT_DATABASE_URL": "postgresql://db/p",
+                "DRAFTLOOP_MLFLOW_DATABASE_URL": "postgresql://db/m",
+            },
+            "--mlflow-artifacts (or DRAFTLOOP_MLFLOW_ARTIFACTS) is required",
+        ),
+    ],
+)
+def test_team_profile_without_its_backends_is_a_user_error(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], named: str
+) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("draftloop.commands.services.start_services", _fake_up(seen))
+    for variable in TEAM_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    result = CliRunner().invoke(app, ["up", "--profile", "team"], terminal_width=200)
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.replace("│", " ").split())  # rich's error box, unwrapped
+    assert named in message, result.output
+    assert not seen  # nothing was started
+
+
+def _process_tree(leader: int) -> list[tuple[int, str, int]]:
+    """(pid, command line, RSS in KiB) of every live process in `leader`'s process group."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != leader or fields[0] == "Z":
+                continue
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = (proc / "status").read_text()
+        except (OSError, IndexError):
+            continue
+        rss_kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        found.append((int(proc.name), command, rss_kib))
+    return found
+
+
+class _StageRun:
+    """What execute_stage asks of a stage's MLflow run, kept in memory."""
+
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_dict(self, data: dict[str, Any], name: str) -> None:
+        pass
+
+
+class _Tracker:
+    @contextmanager
+    def stage(self, stage: str) -> Iterator[_StageRun]:
+        yield _StageRun()
+
+
+def _active_slots(api: str) -> int:
+    slots: int = httpx.get(f"{api}/v2/concurrency_limits/{GPU_LIMIT}", timeout=30).json()["active_slots"]
+    return slots
+
+
+@pytest.mark.slow
+def test_up_starts_a_light_mlflow_and_the_gpu_limit_a_stage_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.concurrency.services import ConcurrencySlotAcquisitionWithLeaseService
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from draftloop.infra.services import down, read_services, up
+
+    monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
+    started = time.monotonic()
+    try:
+        services = up(
+            tmp_path,
+            mlflow_uri=f"sqlite:///{tmp_path}/mlflow.db",
+            artifact_root=str(tmp_path / "mlartifacts"),
+            start_worker=False,
+            deploy=False,
+            gpus=2,
+        )
+        assert set(services) == {"prefect-server", "mlflow"}
+        print(f"up: {time.monotonic() - started:.1f} s")
+
+        # The MLflow server answers its REST API, with one worker and no job runner or Huey consumers.
+        mlflow = services["mlflow"]
+        created = httpx.post(
+            f"{mlflow.url}/api/2.0/mlflow/experiments/create", json={"name": "up-test"}, timeout=30
+        )
+        assert created.status_code == 200, created.text
+        found = httpx.get(
+            f"{mlflow.url}/api/2.0/mlflow/experiments/get-by-name",
+            params={"experiment_name": "up-test"},
+            timeout=30,
+        )
+        assert found.json()["experiment"]["experiment_id"] == created.json()["experiment_id"]
+        tree = _process_tree(mlflow.pid)
+        commands = [command for _, command, _ in tree]
+        assert not any("huey" in command for command in commands), commands
+        assert len(tree) <= 2, commands  # the server and its one uvicorn worker
+        rss_mib = sum(rss for _, _, rss in tree) / 1024
+        print(f"MLflow server tree: {len(tree)} processes, RSS {rss_mib:.0f} MiB")
+        assert rss_mib < 1200  # with the job runner on: ~2000 MiB
+
+        # `up` created the `gpus` limit; a stage that asks for 2 GPUs holds both slots while it runs.
+        api = f"{services['prefect-server'].url}/api"
+        limit = httpx.get(f"{api}/v2/concurrency_limits/{GPU_LIMIT}", timeout=30).json()
+        assert (limit["limit"], limit["active_slots"]) == (2, 0)
+        config = gpu_config(training={"num_workers": 2, "num_gpus_per_worker": 1})
+        context = CycleContext(config, "run-1", _Tracker(), str(tmp_path / "run"))  # type: ignore[arg-type]
+        held: list[int] = []
+
+        def produce(cache_hit: bool) -> Any:
+            def run(stage_run: Any, on_start: Any) -> StageOutcome:
+                work = StageWork("train", "key", str(tmp_path / "train"), {})
+                if not cache_hit:
+                    on_start(work)
+                held.append(_active_slots(api))
+                manifest = Manifest(stage="train", uri=work.uri, shards=[], created_at="now")
+                return StageOutcome("train", "key", work.uri, manifest, cache_hit=cache_hit, seconds=0.0)
+
+            return run
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            execute_stage(context, "train", produce(cache_hit=False))
+            after = _active_slots(api)
+            execute_stage(context, "train", produce(cache_hit=True))
+        assert held == [2, 0]  # held while running; a cache hit waits for no GPU
+        assert after == 0  # released when the stage ended
+        print(f"up + checks: {time.monotonic() - started:.1f} s")
+    finally:
+        ConcurrencySlotAcquisitionWithLeaseService.drain_all(timeout=10, at_exit=False)
+        recorded = read_services(tmp_path)
+        stopped = down(tmp_path)
+        for service in recorded.values():
+            assert not is_alive(service.pid), service
+    assert set(stopped) == {"prefect-server", "mlflow"}
