@@ -761,6 +761,20 @@ def register_drafter(
     model, command = log_drafter_model(
         tracker, model_run_id, drafter_folder, card, serving_command, results.recommended_k
     )
+    # The figures on the model as well (the experiment's Models tab shows them), logged through its run.
+    figures = {
+        "mean_acceptance_length": results.mean_acceptance_length,
+        "acceptance_rate": results.acceptance_rate,
+        **{f"speedup_c{concurrency}": value for concurrency, value in results.speedup.items()},
+    }
+    client.log_batch(
+        model_run_id,
+        metrics=[
+            Metric(key, float(value), _now_ms(), 0, model_id=model.model_id)
+            for key, value in figures.items()
+            if value is not None and _finite(value)
+        ],
+    )
     version_tags = {
         **card.tags(),
         **result_tags(results),

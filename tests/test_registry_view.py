@@ -140,6 +140,10 @@ def test_rejected_version_says_why_and_how_it_compares_in_one_line(tmp_path: Pat
     run = client.get_run(str(tracker.parent_run_id))
     assert len(run.outputs.model_outputs) == 2  # one per registration above, each in the same cycle run
     assert len(client.list_artifacts(str(tracker.parent_run_id))) == 0  # no second copy as a run artifact
+    figures = {
+        metric.key: metric.value for metric in client.get_logged_model(str(champion["model_id"])).metrics
+    }
+    assert figures["mean_acceptance_length"] == 2.24 and figures["speedup_c1"] == 1.9
 
     # Tags people can read: names, short hashes, rounded values, no absolute local paths.
     tags = rejected.tags
