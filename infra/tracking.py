@@ -32,6 +32,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 from draftloop.infra.config import ExperimentConfig, GateConfig
+from draftloop.infra.redaction import redact, redact_text, redacted_copy
 
 CHAMPION_ALIAS = "champion"
 # The experiment-type tag MLflow 3's UI reads: without it the UI may infer "GenAI" and open on an empty
@@ -105,7 +106,7 @@ class StageRun:
     stage: str
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        items = [Param(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in params.items()]
+        items = [Param(key, str(value)[:_PARAM_VALUE_LIMIT]) for key, value in redact(dict(params)).items()]
         for start in range(0, len(items), _LOG_BATCH_LIMIT):
             self.client.log_batch(self.run_id, params=items[start : start + _LOG_BATCH_LIMIT])
 
@@ -134,20 +135,20 @@ class StageRun:
             self.client.log_batch(self.run_id, metrics=items[start : start + _LOG_BATCH_LIMIT])
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in redact(dict(tags)).items()])
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
-        path = Path(local_path)
-        if path.is_dir():
-            self.client.log_artifacts(self.run_id, str(path), artifact_path)
-        elif path.exists():
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        with redacted_copy(Path(local_path)) as path:
+            if path.is_dir():
+                self.client.log_artifacts(self.run_id, str(path), artifact_path)
+            elif path.exists():
+                self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self.client.log_text(self.run_id, redact_text(text), artifact_file)
 
     def log_dict(self, data: Mapping[str, Any], artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, dict(data), artifact_file)
+        self.client.log_dict(self.run_id, redact(dict(data)), artifact_file)
 
     @property
     def artifact_uri(self) -> str:
@@ -217,7 +218,7 @@ class Tracker:
         if self.parent_run_id is None:
             return
         if error:
-            self.client.set_tag(self.parent_run_id, "draftloop.error", error[:5000])
+            self.client.set_tag(self.parent_run_id, "draftloop.error", redact_text(error)[:5000])
         self.client.set_terminated(self.parent_run_id, status=status)
 
     # -- nested stage runs --------------------------------------------------------------------------------
