@@ -494,8 +494,10 @@ def _comparison(results: CycleResults, passed: bool, champion: ChampionFigures |
     length, theirs = results.mean_acceptance_length, champion.mean_acceptance_length
     if length is None or theirs is None:
         text = f"champion v{champion.version} has AL {_fmt(theirs, 2)}"
-    elif passed:
+    elif passed and length > theirs:
         text = f"beats v{champion.version} by {length - theirs:+.2f} AL"
+    elif passed:  # a gate without beat_champion
+        text = f"replaces v{champion.version} at {length - theirs:+.2f} AL"
     elif theirs >= length:
         text = f"v{champion.version} leads by {theirs - length:.2f} AL"
     else:

@@ -16,11 +16,14 @@ import yaml
 from draftloop.infra.tracking import (
     CHAMPION_ALIAS,
     DRAFTER_FLAVOR,
+    ChampionFigures,
     CycleResults,
     DrafterCard,
+    GateDecision,
     Tracker,
     register_drafter,
     target_label,
+    verdict_line,
 )
 
 GATE = SimpleNamespace(
@@ -152,3 +155,18 @@ def test_rejected_version_says_why_and_how_it_compares_in_one_line(tmp_path: Pat
     assert tags["speedup_c4_status"] == "inconclusive" and tags["gate"] == "rejected"
     assert not [key for key, value in tags.items() if str(tmp_path) in value or value.startswith("/")], tags
     assert all(len(value) <= 120 for key, value in tags.items() if key not in ("rejected", "gate_notes"))
+
+
+def test_verdict_line_reads_right_whatever_the_gate_decided() -> None:
+    """The comparison is phrased from the version's side: beaten, beating, or ahead yet not promoted."""
+    champion = ChampionFigures(version="3", mean_acceptance_length=2.0, speedup_c1=1.5)
+    passed = GateDecision(passed=True, reasons=[], notes=[])
+    inconsistent = GateDecision(passed=False, reasons=["engine acceptance 0.6 disagrees"], notes=[])
+    assert verdict_line(_results(2.31, 1.7), passed, "vLLM 0.32.0", champion) == (
+        "champion: AL 2.31, speedup 1.70x @ c=1 on vLLM 0.32.0 — beats v3 by +0.31 AL, speedup +0.20x vs v3"
+    )
+    assert verdict_line(_results(2.5, 1.5), inconsistent, "SGLang", champion) == (
+        "rejected (engine acceptance 0.6 disagrees): AL 2.50, speedup 1.50x @ c=1 on SGLang — "
+        "+0.50 AL over v3, which stays champion, speedup +0.00x vs v3"
+    )
+    assert verdict_line(_results(1.6, 1.1), inconsistent, "SGLang", None).endswith("— no champion yet")
