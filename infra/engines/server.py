@@ -8,7 +8,11 @@ polled for exit; either raises `EngineStartError` carrying the log excerpt withi
 Servers are stopped (SIGTERM, then SIGKILL, to the process group, by PID) on `stop()`, on leaving the
 context manager, at interpreter exit and on SIGTERM/SIGINT to the orchestrator. A pidfile under the run
 folder records each server, so the next start in that folder kills a stale one left by a crashed run,
-and removes the /dev/shm files it left (only files recorded as that server's own).
+and removes the /dev/shm files it left (only files recorded as that server's own); the cycle's PID
+record (`pid_record`) names it too, for the next run's reaper when the driver itself was killed.
+
+A server binds `engine.host` (127.0.0.1 by default); bound beyond loopback it refuses to start without
+`engine.api_key`, which every client of it sends as a bearer token (`Engine.request_headers`).
 """
 
 from __future__ import annotations
