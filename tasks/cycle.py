@@ -18,6 +18,7 @@ from prefect.exceptions import MissingContextError
 
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.processes import PidRecord, pid_records_dir
+from draftloop.infra.redaction import redact_text
 from draftloop.infra.services import hold_gpus, stage_gpus
 from draftloop.infra.storage import join, storage_options, write_text_atomic
 from draftloop.infra.tracking import StageRun, Tracker, error_excerpt
@@ -173,8 +174,11 @@ def execute_stage(
         if isinstance(error, StageError) or not isinstance(error, Exception) or is_transient(error):
             raise  # a transient error keeps its type: Prefect's retry condition looks at it
         excerpt = getattr(error, "log_excerpt", None)
+        # Redacted: the message becomes the Prefect state's message and the CLI's error line.
         raise StageError(
-            stage, f"{type(error).__name__}: {error}", excerpt or error_excerpt(error)
+            stage,
+            redact_text(f"{type(error).__name__}: {error}"),
+            redact_text(excerpt or error_excerpt(error)),
         ) from error
     ctx.outcomes[stage] = outcome
     ctx.timings[stage] = StageTiming(
