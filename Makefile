@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 SPECULATORS_DIR := .venvs/speculators
 
-.PHONY: setup engine-env peer-libs demo test lint clean
+.PHONY: setup engine-env peer-libs browser demo test lint clean
 
 $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ $(SPECULATORS_DIR)/.ready:
 
 peer-libs: setup $(SPECULATORS_DIR)/.ready
 
+# Debian's chromium for tests/test_browser.py, driven by the `playwright` package of the dev extra.
+# Never `playwright install`: the tests launch /usr/bin/chromium, no browser build is downloaded.
+browser: setup
+	@[ -x /usr/bin/chromium ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 demo: setup engine-env
 	$(VENV)/bin/draftloop demo
 
@@ -38,7 +43,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy draftloop kernels infra tasks flows
 
-test: setup engine-env peer-libs lint
+test: setup engine-env peer-libs browser lint
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 clean:
