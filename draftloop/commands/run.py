@@ -109,12 +109,13 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
     state = state_dir()
     for key, value in _embedded_defaults(state).items():
         os.environ.setdefault(key, value)
-    # Imported only now: importing Prefect creates PREFECT_HOME, which must be the one set above (and
-    # nothing may be created before the config is accepted).
+    # Prefect creates PREFECT_HOME on import without its parents (a warning on a fresh checkout), and
+    # sqlite will not create it either: made here, once the config is accepted.
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    # Imported only now: Prefect reads its settings on import, which must be the ones set above.
     from draftloop.flows.train_and_eval import train_and_eval
     from draftloop.tasks.cycle import PROGRESS_LISTENERS
 
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # sqlite will not create it
     overrides = parse_set_options(set_options)
     stages = STAGES[: STAGES.index(until) + 1]
     with Progress(
