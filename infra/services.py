@@ -24,11 +24,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -82,16 +83,20 @@ def free_port() -> int:
         return port
 
 
-def port_or_free(preferred: int | None, host: str = "127.0.0.1") -> int:
-    """`preferred` when nothing listens on it, otherwise any free port."""
-    if preferred:
+def port_or_free(preferred: int | None, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """`preferred` when nothing listens on it, otherwise any free port; never one of `avoid` (ports
+    picked for servers that have not bound them yet)."""
+    if preferred and preferred not in avoid:
         with socket.socket() as sock:
             try:
                 sock.bind((host, preferred))
             except OSError:
-                return free_port()
-            return preferred
-    return free_port()
+                pass
+            else:
+                return preferred
+    while (port := free_port()) in avoid:
+        pass
+    return port
 
 
 def read_services(root: Path | None = None) -> dict[str, Service]:
@@ -344,27 +349,10 @@ def up(
                 url=f"http://{shown}:{port}",
             )
             services["prefect-server"] = server
-            _wait_http(f"{server.url}/api/health", server, timeout_s=180)
-        api_url = f"{services['prefect-server'].url}/api"
-        env["PREFECT_API_URL"] = api_url
-        slots = detected_gpus() if gpus is None else gpus
-        if slots > 0:
-            ensure_gpu_limit(api_url, slots)
-        if deploy:
-            listed = _run([_bin("prefect"), "work-pool", "ls"], env, root)
-            if WORK_POOL not in listed:
-                _run([_bin("prefect"), "work-pool", "create", WORK_POOL, "--type", "process"], env, root)
-            _run([_bin("prefect"), "--no-prompt", "deploy", "--all"], env, root)
-        if start_worker and "prefect-worker" not in running:
-            services["prefect-worker"] = _spawn(
-                "prefect-worker",
-                [_bin("prefect"), "worker", "start", "--pool", WORK_POOL],
-                env,
-                root,
-                url=None,
-            )
+        # MLflow starts while Prefect does (tens of seconds each on a laptop); Prefect is awaited first.
         if "mlflow" not in running:
-            port = port_or_free(mlflow_port, host)
+            picked = [urlsplit(svc.url).port or 0 for svc in services.values() if svc.url]
+            port = port_or_free(mlflow_port, host, avoid=picked)
             mlflow_env = dict(env)
             if team is not None:
                 command = mlflow_server_command(
@@ -384,9 +372,31 @@ def up(
                     _local(artifact_root, root),
                     host,
                 )
-            mlflow = _spawn("mlflow", command, mlflow_env, root, url=f"http://{shown}:{port}")
-            services["mlflow"] = mlflow
-            _wait_http(f"{mlflow.url}/health", mlflow, timeout_s=180)
+            services["mlflow"] = _spawn("mlflow", command, mlflow_env, root, url=f"http://{shown}:{port}")
+        if "prefect-server" not in running:
+            _wait_http(
+                f"{services['prefect-server'].url}/api/health", services["prefect-server"], timeout_s=180
+            )
+        api_url = f"{services['prefect-server'].url}/api"
+        env["PREFECT_API_URL"] = api_url
+        slots = detected_gpus() if gpus is None else gpus
+        if slots > 0:
+            ensure_gpu_limit(api_url, slots)
+        if deploy:
+            listed = _run([_bin("prefect"), "work-pool", "ls"], env, root)
+            if WORK_POOL not in listed:
+                _run([_bin("prefect"), "work-pool", "create", WORK_POOL, "--type", "process"], env, root)
+            _run([_bin("prefect"), "--no-prompt", "deploy", "--all"], env, root)
+        if start_worker and "prefect-worker" not in running:
+            services["prefect-worker"] = _spawn(
+                "prefect-worker",
+                [_bin("prefect"), "worker", "start", "--pool", WORK_POOL],
+                env,
+                root,
+                url=None,
+            )
+        if "mlflow" not in running:
+            _wait_http(f"{services['mlflow'].url}/health", services["mlflow"], timeout_s=180)
     except BaseException:
         down(root)  # never leave half a stack behind
         raise

@@ -1,4 +1,4 @@
-"""Throwaway servers for tests/test_flow_cluster.py: PostgreSQL, an MLflow tracking server, a Ray head.
+"""Throwaway servers for tests/test_flow_cluster.py: PostgreSQL (and databases in it), a Ray head.
 
 Each is a context manager that starts one real server on 127.0.0.1 and a free port, waits until it
 answers, yields how to reach it, and stops it by PID (or its own stop command) on the way out.
@@ -12,14 +12,12 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from draftloop.infra.processes import stop_processes
-from draftloop.infra.services import free_port, mlflow_server_command
+from draftloop.infra.services import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO_ROOT / ".venv" / "bin"
@@ -84,42 +82,13 @@ def postgres_server() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
-        with suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
-            if response.status == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
+def create_database(server_uri: str, name: str) -> str:
+    """CREATE DATABASE `name` on the server of `server_uri` (a `postgres_server` URI); its URI."""
+    import psycopg
 
-
-@contextmanager
-def mlflow_server(
-    backend_uri: str, artifacts_destination: str, s3_endpoint: str, credentials: dict[str, str], log_dir: Path
-) -> Iterator[str]:
-    """`mlflow server` over `backend_uri`, proxying artifacts to `artifacts_destination`; yields its URL."""
-    port = free_port()
-    env = {
-        **os.environ,
-        **credentials,
-        "MLFLOW_S3_ENDPOINT_URL": s3_endpoint,
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-    }
-    log = log_dir / "mlflow-server.log"
-    command = mlflow_server_command(port, backend_uri, "--artifacts-destination", artifacts_destination)
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", process, log, timeout_s=150)
-        yield url
-    finally:
-        stop_processes([process.pid], grace_s=20)
+    with psycopg.connect(server_uri, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    return f"{server_uri.rsplit('/', 1)[0]}/{name}"
 
 
 @contextmanager

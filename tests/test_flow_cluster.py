@@ -1,20 +1,26 @@
-"""The cycle against a Ray cluster, a remote MLflow (PostgreSQL + S3 artifacts) and S3 storage: config only.
+"""The team profile: the cycle against a Ray cluster, Prefect and MLflow on PostgreSQL, S3 storage.
 
-Real servers on 127.0.0.1: moto (S3), PostgreSQL (MLflow's backend store), `mlflow server` proxying
-artifacts to the S3 bucket, and a Ray head started with `ray start`. The flow runs up to `train` with
-nothing but config overrides pointing at them; the test then reads back what each server holds.
+Real servers on 127.0.0.1: moto (S3), PostgreSQL (one database for Prefect, one for MLflow),
+`draftloop up --profile team`'s Prefect server and MLflow server (artifacts proxied to the S3 bucket),
+and a Ray head started with `ray start`. The flow runs up to `train` against that Prefect API with
+nothing but config overrides pointing at the rest; the test then reads back what each server holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from cluster_services import mlflow_server, postgres_bin_dir, postgres_server, ray_head
+from cluster_services import create_database, postgres_bin_dir, postgres_server, ray_head
 from fixtures_flow import FlowEnv, small_config
-from moto_s3 import DUMMY_CREDENTIALS, moto_s3_server
+from moto_s3 import moto_s3_server
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from draftloop.infra.services import TeamBackends
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +45,28 @@ def _cluster_config(workdir: Path, target_dir: Path) -> Path:
     return path
 
 
+@contextmanager
+def team_services(root: Path, backends: TeamBackends) -> Iterator[tuple[str, str]]:
+    """`draftloop up --profile team` without worker or deployments; yields (Prefect API, MLflow URL)."""
+    from draftloop.infra.processes import is_alive
+    from draftloop.infra.services import down, read_services, up
+
+    try:
+        services = up(root, team=backends, start_worker=False, deploy=False, gpus=1)
+        yield f"{services['prefect-server'].url}/api", str(services["mlflow"].url)
+    finally:
+        recorded = read_services(root)
+        down(root)
+        assert not [service for service in recorded.values() if is_alive(service.pid)], recorded
+
+
+def _postgres_rows(database_uri: str, query: str, *parameters: str) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(database_uri) as connection:
+        return connection.execute(query, parameters).fetchall()
+
+
 def _actor_classes(address: str) -> list[str]:
     """Class names of every actor the cluster's GCS has seen (live or dead), read by a fresh driver."""
     import ray
@@ -53,7 +81,7 @@ def _actor_classes(address: str) -> list[str]:
 
 
 @pytest.mark.skipif(postgres_bin_dir() is None, reason="PostgreSQL is not installed (.ci/run installs it)")
-def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
+def test_team_profile_cycle_on_a_cluster_with_postgresql_and_s3(
     flow_env: FlowEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     workdir = tmp_path / "cwd"
@@ -61,78 +89,112 @@ def test_cycle_runs_on_cluster_with_remote_mlflow_and_s3(
     monkeypatch.chdir(workdir)
     config_path = _cluster_config(workdir, flow_env.workdir / "models" / "tiny-llama")
 
-    with (
-        moto_s3_server(buckets=(BUCKET,)) as s3_endpoint,
-        postgres_server() as backend_uri,
-        mlflow_server(
-            backend_uri, f"s3://{BUCKET}/mlartifacts", s3_endpoint, DUMMY_CREDENTIALS, tmp_path
-        ) as mlflow_uri,
-        ray_head(tmp_path) as (ray_address, ray_env),
-    ):
-        for key, value in ray_env.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the cluster keeps token auth on
-
-        from draftloop.flows.train_and_eval import train_and_eval
-
-        summary: dict[str, Any] = train_and_eval(
-            until="train",
-            config=str(config_path),
-            num_samples=16,
-            overrides={
-                "storage.root": f"s3://{BUCKET}/runs",
-                "storage.s3_endpoint_url": s3_endpoint,
-                "tracking.mlflow_uri": mlflow_uri,
-                "ray.address": ray_address,
-                "training.epochs": 1,
-            },
-        )
-
-        assert summary["status"] == "completed", summary
-        assert list(summary["stages"]) == STAGES_RUN
-        assert summary["cache_hits"] == []
-
-        # Storage: every stage's committed manifest, the drafter checkpoint and the summary are in S3.
-        import s3fs
-
-        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
-        for stage in STAGES_RUN:
-            uri = summary["stages"][stage]["uri"]
-            assert uri.startswith(f"s3://{BUCKET}/runs/cluster-test/{stage}/"), uri
-            assert fs.exists(f"{uri}/manifest.json"), uri
-        drafter_uri = summary["stages"]["train"]["uri"]
-        assert fs.size(f"{drafter_uri}/model.safetensors") > 0
-        assert fs.exists(f"{drafter_uri}/config.json")
-        assert summary["run_folder"].startswith(f"s3://{BUCKET}/runs/")
-        assert fs.exists(f"{summary['run_folder']}/summary.json")
-
-        # MLflow: the parent run, its nested stage runs and the training curve, through the server.
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=mlflow_uri)
-        parent = client.get_run(summary["mlflow_run_id"])
-        assert parent.info.status == "FINISHED"
-        assert parent.data.params["training.epochs"] == "1"
-        assert parent.data.params["ray.address"] == ray_address
-        children = client.search_runs(
-            [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
-        )
-        by_stage = {run.data.tags["draftloop.stage"]: run for run in children}
-        assert set(by_stage) == set(STAGES_RUN)
-        assert all(run.info.status == "FINISHED" for run in children)
-        losses = client.get_metric_history(by_stage["train"].info.run_id, "loss")
-        assert losses and all(entry.value > 0 for entry in losses)
-        # Artifacts went through the server into the bucket, not into a folder on this machine.
-        assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
-        artifact_objects = fs.find(f"{BUCKET}/mlartifacts")
-        assert any(key.endswith("/config.json") for key in artifact_objects), artifact_objects
-        assert any("/drafter/" in key for key in artifact_objects), artifact_objects
-
-        # Ray: the stages' actors ran on the cluster this test started.
-        classes = _actor_classes(ray_address)
-        assert "TargetGenerator" in classes, classes
-        assert "HiddenStateExtractor" in classes, classes
-        assert any("TrainWorker" in name or "Train" in name for name in classes), classes
+    monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))  # the services' PIDs and logs
+    with moto_s3_server(buckets=(BUCKET,)) as s3_endpoint, postgres_server() as server_uri:
+        prefect_db = create_database(server_uri, "prefect")
+        mlflow_db = create_database(server_uri, "mlflow")
+        backends = TeamBackends(prefect_db, mlflow_db, f"s3://{BUCKET}/mlartifacts", s3_endpoint)
+        with (
+            team_services(tmp_path, backends) as (prefect_api, mlflow_uri),
+            ray_head(tmp_path) as (ray_address, ray_env),
+            temporary_settings(updates={PREFECT_API_URL: prefect_api}),
+        ):
+            summary = _run_cycle_and_check(
+                config_path, s3_endpoint, mlflow_uri, ray_address, ray_env, monkeypatch
+            )
+            # Prefect: the flow run, its stage task runs and the `gpus` limit live in PostgreSQL.
+            flow_runs = _postgres_rows(
+                prefect_db, "SELECT state_type FROM flow_run WHERE id = %s", summary["run_id"]
+            )
+            assert flow_runs == [("COMPLETED",)], flow_runs
+            task_runs = _postgres_rows(
+                prefect_db, "SELECT name, state_type FROM task_run WHERE flow_run_id = %s", summary["run_id"]
+            )
+            assert {name.split("-")[0] for name, _ in task_runs} == set(STAGES_RUN), task_runs
+            assert all(state == "COMPLETED" for _, state in task_runs), task_runs
+            limits = _postgres_rows(prefect_db, 'SELECT name, "limit" FROM concurrency_limit_v2')
+            assert limits == [("gpus", 1)], limits
+            # MLflow: the cycle's parent run is a row of MLflow's own database.
+            runs = _postgres_rows(
+                mlflow_db, "SELECT status FROM runs WHERE run_uuid = %s", summary["mlflow_run_id"]
+            )
+            assert runs == [("FINISHED",)], runs
 
     # Nothing fell back to the shipped local defaults in the working folder.
     assert not (workdir / ".draftloop").exists(), sorted(str(p) for p in (workdir / ".draftloop").rglob("*"))
+
+
+def _run_cycle_and_check(
+    config_path: Path,
+    s3_endpoint: str,
+    mlflow_uri: str,
+    ray_address: str,
+    ray_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> dict[str, Any]:
+    """The cycle up to `train` on the cluster; checks what S3, MLflow and Ray hold; returns its summary."""
+    for key, value in ray_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # the cluster keeps token auth on
+
+    from draftloop.flows.train_and_eval import train_and_eval
+
+    summary: dict[str, Any] = train_and_eval(
+        until="train",
+        config=str(config_path),
+        num_samples=16,
+        overrides={
+            "storage.root": f"s3://{BUCKET}/runs",
+            "storage.s3_endpoint_url": s3_endpoint,
+            "tracking.mlflow_uri": mlflow_uri,
+            "ray.address": ray_address,
+            "training.epochs": 1,
+        },
+    )
+
+    assert summary["status"] == "completed", summary
+    assert list(summary["stages"]) == STAGES_RUN
+    assert summary["cache_hits"] == []
+
+    # Storage: every stage's committed manifest, the drafter checkpoint and the summary are in S3.
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    for stage in STAGES_RUN:
+        uri = summary["stages"][stage]["uri"]
+        assert uri.startswith(f"s3://{BUCKET}/runs/cluster-test/{stage}/"), uri
+        assert fs.exists(f"{uri}/manifest.json"), uri
+    drafter_uri = summary["stages"]["train"]["uri"]
+    assert fs.size(f"{drafter_uri}/model.safetensors") > 0
+    assert fs.exists(f"{drafter_uri}/config.json")
+    assert summary["run_folder"].startswith(f"s3://{BUCKET}/runs/")
+    assert fs.exists(f"{summary['run_folder']}/summary.json")
+
+    # MLflow: the parent run, its nested stage runs and the training curve, through the server.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    parent = client.get_run(summary["mlflow_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["training.epochs"] == "1"
+    assert parent.data.params["ray.address"] == ray_address
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_stage = {run.data.tags["draftloop.stage"]: run for run in children}
+    assert set(by_stage) == set(STAGES_RUN)
+    assert all(run.info.status == "FINISHED" for run in children)
+    losses = client.get_metric_history(by_stage["train"].info.run_id, "loss")
+    assert losses and all(entry.value > 0 for entry in losses)
+    # Artifacts went through the server into the bucket, not into a folder on this machine.
+    assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
+    artifact_objects = fs.find(f"{BUCKET}/mlartifacts")
+    assert any(key.endswith("/config.json") for key in artifact_objects), artifact_objects
+    assert any(key.endswith("/manifest.json") for key in artifact_objects), artifact_objects
+
+    # Ray: the stages' actors ran on the cluster this test started.
+    classes = _actor_classes(ray_address)
+    assert "TargetGenerator" in classes, classes
+    assert "HiddenStateExtractor" in classes, classes
+    assert any("TrainWorker" in name or "Train" in name for name in classes), classes
+    return summary
