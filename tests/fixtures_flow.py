@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,30 @@ def run_cycle_in_process(
 def first_cycle(flow_env: FlowEnv) -> tuple[dict[str, Any], float]:
     """The session's one uncached cycle."""
     return run_cycle_in_process(flow_env)
+
+
+@contextmanager
+def local_services(flow_env: FlowEnv, state: Path) -> Iterator[dict[str, Any]]:
+    """`draftloop up` for the session: a Prefect server with prefect.yaml deployed, a process worker and
+    an MLflow server on the session's tracking store, its records under `state`. On exit every service
+    is stopped by its recorded PID; after a passing body, each must have been alive until then."""
+    from draftloop.infra.processes import is_alive
+    from draftloop.infra.services import down, read_services, up
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTLOOP_STATE_DIR", str(state))
+        services = up(
+            REPO_ROOT,
+            mlflow_uri=f"sqlite:///{flow_env.workdir}/mlflow.db",
+            artifact_root=str(flow_env.workdir / "mlartifacts"),
+        )
+        try:
+            yield services
+        finally:
+            recorded = read_services(REPO_ROOT)
+            stopped = down(REPO_ROOT)
+    assert set(stopped) == set(recorded) == {"prefect-server", "prefect-worker", "mlflow"}
+    assert not [service.name for service in recorded.values() if is_alive(service.pid)]
 
 
 def no_ray_left(pgid: int) -> list[str]:

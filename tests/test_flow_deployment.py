@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures_flow import REPO_ROOT, FlowEnv
+from fixtures_flow import REPO_ROOT, FlowEnv, local_services
 
 pytestmark = pytest.mark.slow
 
@@ -19,17 +19,12 @@ def test_deployment_run_completes_the_cycle(
     flow_env: FlowEnv,
     first_cycle: tuple[dict[str, Any], float],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from draftloop.infra.processes import is_alive
-    from draftloop.infra.services import down, read_services, up
+    from draftloop.infra.services import read_services
 
     first, _ = first_cycle
-    monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
     config_uri = first["run_folder"]
-    mlflow_uri = f"sqlite:///{flow_env.workdir}/mlflow.db"
-    try:
-        services = up(REPO_ROOT, mlflow_uri=mlflow_uri, artifact_root=str(flow_env.workdir / "mlartifacts"))
+    with local_services(flow_env, tmp_path / "state") as services:
         assert set(services) == {"prefect-server", "prefect-worker", "mlflow"}
         recorded = read_services(REPO_ROOT)
         assert {name: svc.pid for name, svc in recorded.items()} == {n: s.pid for n, s in services.items()}
@@ -58,8 +53,3 @@ def test_deployment_run_completes_the_cycle(
         latest = json.loads(summaries[-1].read_text())
         assert latest["status"] == "completed"
         assert sorted(latest["cache_hits"]) == sorted(first["stages"])
-    finally:
-        stopped = down(REPO_ROOT)
-        for service in read_services(REPO_ROOT).values():
-            assert not is_alive(service.pid)
-    assert set(stopped) == {"prefect-server", "prefect-worker", "mlflow"}
