@@ -15,7 +15,6 @@ what was configured.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
@@ -30,9 +29,11 @@ from typing import Any
 
 REDACTED = "***"
 
-# Words of a key name that make its value a secret ("max_tokens" is not one: "tokens" is no such word).
+# A key name ending in one of these words or pairs names a secret ("max_tokens" does not: "tokens" is
+# no such word).
 _SECRET_WORDS = frozenset({"token", "apikey", "credential", "credentials", "passphrase", "pat"})
 _SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("auth", "token")})
+_SPECIAL_TOKENS = frozenset({"bos", "eos", "pad", "unk", "sep", "cls", "mask", "image", "audio", "video"})
 _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
 _URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@\"']*):(?P<secret>[^\s@/\"']+)@")
@@ -51,13 +52,20 @@ _registered_lock = threading.Lock()
 
 
 def is_secret_name(name: str) -> bool:
-    """True when a key, field, flag or environment variable name says its value is a secret."""
+    """True when a key, field, flag or environment variable name says its value is a secret.
+
+    "secret" or "password" anywhere (`AWS_SECRET_ACCESS_KEY`, `PGPASSWORD`), or a name ending in a secret
+    word or pair (`HF_TOKEN`, `api_key`, `apiKey`): `pad_token_id` and `thinking_token_budget` are not.
+    """
     last = re.split(r"[.]", name.strip("-\"' "))[-1]
     words = [word.lower() for word in _WORD.findall(last)]
-    for word in words:
-        if word in _SECRET_WORDS or "secret" in word or word.endswith(("password", "passwd")):
-            return True
-    return any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words))
+    if not words:
+        return False
+    if any("secret" in word or word.endswith(("password", "passwd")) for word in words):
+        return True
+    if len(words) >= 2 and words[-2] in _SPECIAL_TOKENS:
+        return False  # a tokenizer's `eos_token: "</s>"`
+    return words[-1] in _SECRET_WORDS or tuple(words[-2:]) in _SECRET_PAIRS
 
 
 def register_secrets(values: Iterable[str]) -> None:

@@ -4,13 +4,17 @@ remote code off by default. The cycle-level secrets test (slow) plants secrets a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import uuid
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
+import yaml
+from fixtures_flow import FlowEnv, run_cycle_in_process
 
 from draftloop.infra import storage
 from draftloop.infra.config import ConfigError, ExperimentConfig
@@ -82,6 +86,10 @@ def test_ordinary_values_are_not_redacted() -> None:
     assert redact_text(text) == text
     tree = {"evaluation": {"max_tokens": 64}, "engine": {"api_key": None, "kind": "vllm"}}
     assert redact(tree) == tree
+    # A drafter's or tokenizer's config (uploaded as artifacts) keeps its token ids and special tokens.
+    model_config = {"pad_token_id": 0, "eos_token": "</s>", "thinking_token_budget": 64, "vocab_size": 8}
+    assert redact(model_config) == model_config
+    assert redact_text(json.dumps(model_config)) == json.dumps(model_config)
 
 
 def test_a_config_tree_is_redacted_by_key_and_its_secrets_are_found() -> None:
@@ -222,3 +230,86 @@ def test_trust_remote_code_is_off_unless_the_config_trusts_the_target(tmp_path: 
         actors.HiddenStateExtractor(config.target.path, [0, 1, 2], "layer_input", device="cpu")
     assert [call.kwargs["trust_remote_code"] for call in tokenizer.call_args_list] == [False, False]
     assert [call.kwargs["trust_remote_code"] for call in model.call_args_list] == [False, False]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real path: a cycle (to synthesize) with secrets planted in its config, overrides and environment
+
+
+def _files_holding(roots: list[Path], secrets: dict[str, str]) -> list[str]:
+    """`path: secret name` for every file under `roots` whose bytes contain a planted secret."""
+    found = []
+    for root in roots:
+        for path in [root] if root.is_file() else sorted(root.rglob("*")):
+            if path.is_file():
+                data = path.read_bytes()
+                found += [f"{path}: {name}" for name, value in secrets.items() if value.encode() in data]
+    return found
+
+
+@pytest.mark.slow
+def test_planted_secrets_reach_no_mlflow_record_prefect_record_or_run_file(
+    flow_env: FlowEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    unique = uuid.uuid4().hex[:12]
+    secrets = {
+        "engine.api_key": f"sk-planted-{unique}",
+        "engine.env.HF_TOKEN": f"hf_planted{unique}",
+        "AWS_SECRET_ACCESS_KEY": f"awsPlanted/{unique}+Secret",
+        "override engine.env.DB_PASSWORD": f"pw-planted-{unique}",
+    }
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secrets["AWS_SECRET_ACCESS_KEY"])
+    raw = yaml.safe_load(flow_env.config_path.read_text())
+    raw["engine"]["api_key"] = secrets["engine.api_key"]
+    raw["engine"]["env"] = {
+        "HF_TOKEN": secrets["engine.env.HF_TOKEN"],
+        "AWS_SECRET_ACCESS_KEY": secrets["AWS_SECRET_ACCESS_KEY"],
+    }
+    config_path = tmp_path / "secrets.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    overrides = {
+        "data.num_samples": 4,
+        "data.eval_prompts": 2,
+        "synthesis.max_new_tokens": 8,
+        "engine.env.DB_PASSWORD": secrets["override engine.env.DB_PASSWORD"],
+    }
+    # The test can fail: every planted value is in what the run is given.
+    given = config_path.read_text() + json.dumps(overrides)
+    assert all(value in given for value in secrets.values())
+
+    summary, _ = run_cycle_in_process(
+        dataclasses.replace(flow_env, config_path=config_path), overrides, until="synthesize"
+    )
+    assert summary["status"] == "completed"
+
+    # MLflow (its store and artifact root), the run folder and datasets, the state folder (logs, records).
+    workdir = flow_env.workdir
+    written = [workdir / "mlflow.db", workdir / "mlartifacts", workdir / "runs", workdir / "state"]
+    written += list(workdir.glob("mlflow.db-*"))  # a journal not yet checkpointed
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert all(root.exists() for root in written)
+    run_folder = Path(summary["run_folder"])
+    assert (run_folder / "config.json").is_file()  # the files the secrets would be in were written
+    assert [path for path in (workdir / "mlartifacts").rglob("config.json") if run.info.run_id in str(path)]
+    assert _files_holding(written, secrets) == []
+    assert run.data.params["engine.api_key"] == REDACTED  # the secret was logged, redacted
+    assert run.data.params["engine.env.HF_TOKEN"] == run.data.params["engine.env.DB_PASSWORD"] == REDACTED
+
+    # Prefect: the flow run's parameters, state and every log line it sent, and the run's artifacts.
+    APILogWorker.drain_all()
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.read_flow_run(uuid.UUID(summary["run_id"]))
+        logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+        artifacts = prefect.read_artifacts()
+    assert flow_run.parameters["overrides"]["engine.env.DB_PASSWORD"] == REDACTED
+    assert any("synthesize: started" in log.message for log in logs), [log.message for log in logs]
+    recorded = [json.dumps(flow_run.parameters), str(flow_run.state.message if flow_run.state else "")]
+    recorded += [log.message for log in logs] + [str(artifact.data) for artifact in artifacts]
+    leaks = [name for name, value in secrets.items() if any(value in text for text in recorded)]
+    assert leaks == []
