@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,39 @@ class _Tracker:
         yield _StageRun()
 
 
+def _train_stage(tmp_path: Path, cache_hit: bool, work: Callable[[], object]) -> Any:
+    """A `train` stage for execute_stage: `work()` runs where the real stage would do its work."""
+
+    def run(stage_run: Any, on_start: Any) -> StageOutcome:
+        stage_work = StageWork("train", "key", str(tmp_path / "train"), {})
+        if not cache_hit:
+            on_start(stage_work)
+        work()
+        manifest = Manifest(stage="train", uri=stage_work.uri, shards=[], created_at="now")
+        return StageOutcome("train", "key", stage_work.uri, manifest, cache_hit=cache_hit, seconds=0.0)
+
+    return run
+
+
+def test_a_stage_that_runs_holds_its_gpus_and_a_cache_hit_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+
+    @contextmanager
+    def recording_hold(count: int) -> Iterator[None]:
+        events.append(f"take {count}")
+        yield
+        events.append(f"release {count}")
+
+    monkeypatch.setattr("draftloop.tasks.cycle.hold_gpus", recording_hold)
+    config = gpu_config(training={"num_workers": 2, "num_gpus_per_worker": 1})
+    context = CycleContext(config, "run-1", _Tracker(), str(tmp_path / "run"))  # type: ignore[arg-type]
+    execute_stage(context, "train", _train_stage(tmp_path, False, lambda: events.append("work")))
+    execute_stage(context, "train", _train_stage(tmp_path, True, lambda: events.append("cached")))
+    assert events == ["take 2", "work", "release 2", "cached"]
+
+
 def _active_slots(api: str) -> int:
     slots: int = httpx.get(f"{api}/v2/concurrency_limits/{GPU_LIMIT}", timeout=30).json()["active_slots"]
     return slots
@@ -247,21 +280,14 @@ def test_up_starts_a_light_mlflow_and_the_gpu_limit_a_stage_holds(
         context = CycleContext(config, "run-1", _Tracker(), str(tmp_path / "run"))  # type: ignore[arg-type]
         held: list[int] = []
 
-        def produce(cache_hit: bool) -> Any:
-            def run(stage_run: Any, on_start: Any) -> StageOutcome:
-                work = StageWork("train", "key", str(tmp_path / "train"), {})
-                if not cache_hit:
-                    on_start(work)
-                held.append(_active_slots(api))
-                manifest = Manifest(stage="train", uri=work.uri, shards=[], created_at="now")
-                return StageOutcome("train", "key", work.uri, manifest, cache_hit=cache_hit, seconds=0.0)
-
-            return run
-
         with temporary_settings(updates={PREFECT_API_URL: api}):
-            execute_stage(context, "train", produce(cache_hit=False))
+            execute_stage(
+                context, "train", _train_stage(tmp_path, False, lambda: held.append(_active_slots(api)))
+            )
             after = _active_slots(api)
-            execute_stage(context, "train", produce(cache_hit=True))
+            execute_stage(
+                context, "train", _train_stage(tmp_path, True, lambda: held.append(_active_slots(api)))
+            )
         assert held == [2, 0]  # held while running; a cache hit waits for no GPU
         assert after == 0  # released when the stage ended
         print(f"up + checks: {time.monotonic() - started:.1f} s")
