@@ -339,7 +339,7 @@ class RestartableServer:
         self.log = log_dir / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 120) -> None:
+    def start(self, timeout_s: float = 300) -> None:
         with open(self.log, "ab") as sink:
             self.process = subprocess.Popen(
                 self.command,
@@ -365,8 +365,8 @@ class RestartableServer:
 
 @contextmanager
 def restartable(server: RestartableServer) -> Iterator[RestartableServer]:
-    server.start()
     try:
+        server.start()
         yield server
     finally:
         server.stop()
