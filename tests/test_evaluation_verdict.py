@@ -148,10 +148,9 @@ def test_replay_weighs_each_prompt_as_often_as_the_engines_counters_saw_it() -> 
     mix = [3, 3, 1, 1, 1, 1, 1, 1]
     level = ConcurrencyResult(1, 12, 768, 1.0, 1.0, 0, [], {}, {}, {}, {}, None, mix)
     run = dataclasses.replace(_speculative(), levels=[level])
-    engine = SpecCounters(
-        sum(m * d for m, (d, _) in zip(mix, per_prompt)), sum(m * d * K for m, (d, _) in zip(mix, per_prompt)),
-        sum(m * a for m, (_, a) in zip(mix, per_prompt)),
-    )
+    drafts = sum(m * d for m, (d, _) in zip(mix, per_prompt, strict=True))
+    accepted = sum(m * a for m, (_, a) in zip(mix, per_prompt, strict=True))
+    engine = SpecCounters(drafts, drafts * K, accepted)
     comparison = compare_acceptance(
         {"acceptance_rate": engine.acceptance_rate, "concurrency": 1}, run, simulator
     )
