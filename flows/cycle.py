@@ -156,29 +156,75 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "cache_hits": sorted(name for name, timing in ctx.timings.items() if timing.cache_hit),
         "total_seconds": round(time.perf_counter() - started, 3),
         "run_folder": ctx.run_uri,
+        "links": mlflow_links(
+            ctx.tracker.tracking_uri,
+            ctx.tracker.experiment_id,
+            ctx.tracker.parent_run_id,
+            registration.manifest.summary.get("name") if registration else None,
+        ),
     }
 
 
+def _shown(value: Any, digits: int = 3, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def mlflow_links(
+    tracking_uri: str, experiment_id: str, run_id: str | None, model: str | None
+) -> dict[str, str]:
+    """Links into the MLflow UI when the tracking store is an MLflow server (a file store has no UI URL)."""
+    if not tracking_uri.startswith(("http://", "https://")) or run_id is None:
+        return {}
+    base = tracking_uri.rstrip("/")
+    links = {"MLflow run": f"{base}/#/experiments/{experiment_id}/runs/{run_id}"}
+    if model:
+        links["MLflow model"] = f"{base}/#/models/{model}"
+    return links
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
-    lines = [
-        f"# draftloop cycle `{summary['config']}`: {summary['status']}",
-        "",
-        "| stage | seconds | cache |",
-        "|---|---|---|",
-    ]
-    for name, timing in summary["stages"].items():
-        lines.append(f"| {name} | {timing['seconds']} | {'hit' if timing['cache_hit'] else 'run'} |")
-    lines += ["", "| result | value |", "|---|---|"]
-    lines.append(f"| acceptance rate | {summary.get('acceptance_rate')} |")
-    lines.append(f"| mean acceptance length | {summary.get('mean_acceptance_length')} |")
-    for concurrency, speedup in (summary.get("speedup") or {}).items():
-        lines.append(f"| speedup @ {concurrency} | {speedup} |")
+    """The Prefect run page's artifact: verdict first, figures rounded with units, the gate's reason."""
     registered = summary.get("registered_model") or {}
+    lines = [f"# draftloop cycle `{summary['config']}`: {summary['status']}", ""]
+    if registered.get("verdict"):
+        lines += [f"**{registered['verdict']}**", ""]
+    lines += ["| result | value |", "|---|---|"]
+    lines.append(f"| evaluation verdict | {_shown(summary.get('verdict'))} |")
+    lines.append(f"| acceptance rate | {_shown(summary.get('acceptance_rate'))} |")
+    lines.append(
+        f"| mean acceptance length | {_shown(summary.get('mean_acceptance_length'), 2, ' tokens/step')} |"
+    )
+    statuses = summary.get("speedup_status") or {}
+    for concurrency, speedup in (summary.get("speedup") or {}).items():
+        flag = str(statuses.get(concurrency, "ok")).split(":")[0]
+        lines.append(
+            f"| speedup @ concurrency {concurrency} | {_shown(speedup, 2, 'x')}"
+            + (f" ({flag})" if flag != "ok" else "")
+            + " |"
+        )
+    if summary.get("recommended_k") is not None:
+        lines.append(f"| recommended k | {summary['recommended_k']} |")
+    epoch = summary.get("drafter_epoch") or {}
+    if epoch.get("exported_epoch") is not None:
+        lines.append(
+            f"| exported epoch | {epoch['exported_epoch']} "
+            f"(held-out AL {_shown(epoch.get('held_out_acceptance_length'), 2)}) |"
+        )
     if registered:
+        gate = registered.get("gate") or {}
         lines.append(
             f"| model version | {registered.get('name')} v{registered.get('version')} "
             f"({registered.get('alias_status')}) |"
         )
+        if gate.get("reasons"):
+            lines.append(f"| gate | rejected: {'; '.join(gate['reasons'])} |")
+    for label, url in (summary.get("links") or {}).items():
+        lines.append(f"| {label} | [{url}]({url}) |")
+    lines += ["", "| stage | seconds | cache |", "|---|---|---|"]
+    for name, timing in summary["stages"].items():
+        lines.append(f"| {name} | {timing['seconds']:.1f} | {'hit' if timing['cache_hit'] else 'run'} |")
     return "\n".join(lines) + "\n"
 
 

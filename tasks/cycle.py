@@ -97,6 +97,7 @@ KEY_FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
     "train": (
         ("epochs", "epochs"),
         ("final_loss", "final loss"),
+        ("loss_per_epoch", "loss per epoch"),
         ("final_accuracy", "final accuracy"),
         ("held_out_acceptance_length", "held-out AL per epoch"),
         ("exported_epoch", "exported epoch"),
@@ -114,6 +115,13 @@ KEY_FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def _figure(value: Any) -> str:
+    """Three significant digits, without exponents for large figures (tokens/s 1,035, not 1.03e+03)."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def stage_report(stage: str, summary: Mapping[str, Any], seconds: float, cache_hit: bool) -> str:
     """One human line for the Prefect log: the stage's key figures, rounded, from its manifest summary."""
     if cache_hit:
@@ -126,9 +134,9 @@ def stage_report(stage: str, summary: Mapping[str, Any], seconds: float, cache_h
         if value is None:
             continue
         if isinstance(value, list):
-            shown = "[" + ", ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in value) + "]"
+            shown = "[" + ", ".join(_figure(v) for v in value) + "]"
         else:
-            shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+            shown = _figure(value)
         figures.append(f"{label} {shown}")
     return f"{stage}: done, " + ", ".join(figures)
 

@@ -171,6 +171,7 @@ def run(
             "epochs": int(config.training.epochs),
             "steps": len(history),
             "final_loss": final_metrics.get("loss"),
+            "loss_per_epoch": [round(float(epoch["loss"]), 4) for epoch in result["epochs"]],
             "final_accuracy": final_metrics.get("acc"),
             "resumed_from_epoch": result["resumed_from_epoch"],
             "workers": result["workers"],

@@ -15,7 +15,54 @@ def test_stage_report_shows_rounded_key_figures() -> None:
         seconds=19.44,
         cache_hit=False,
     )
-    assert line == "synthesize: done, 19.4 s, conversations 240, rejected 16, rows/s 12.3, tokens/s 1.03e+03"
+    assert line == "synthesize: done, 19.4 s, conversations 240, rejected 16, rows/s 12.3, tokens/s 1,035"
+
+
+def test_train_report_shows_loss_and_held_out_acceptance_per_epoch() -> None:
+    summary = {
+        "epochs": 3,
+        "loss_per_epoch": [5.91234, 4.5, 4.123456],
+        "held_out_acceptance_length": [1.24, 1.8466, 2.61],
+        "exported_epoch": 2,
+        "tokens_per_s": 696.4,
+    }
+    line = stage_report("train", summary, seconds=199.5, cache_hit=False)
+    assert "loss per epoch [5.91, 4.5, 4.12]" in line
+    assert "held-out AL per epoch [1.24, 1.85, 2.61], exported epoch 2" in line
+
+
+def test_cycle_summary_artifact_leads_with_the_verdict_rounds_and_links() -> None:
+    from draftloop.flows.cycle import mlflow_links, summary_markdown
+
+    summary = {
+        "config": "tiny-llama",
+        "status": "completed",
+        "verdict": "ok",
+        "acceptance_rate": 0.412345,
+        "mean_acceptance_length": 2.23712,
+        "speedup": {"1": 0.66056, "4": 1.8093},
+        "speedup_status": {"1": "inconclusive: speedup interval [0.377, 1.327] contains 1.0", "4": "ok"},
+        "drafter_epoch": {"exported_epoch": 7, "held_out_acceptance_length": 3.1892},
+        "registered_model": {
+            "name": "drafter-tiny-llama",
+            "version": "2",
+            "alias_status": "rejected",
+            "verdict": "rejected (AL 2.24 does not beat champion v1's 2.50): AL 2.24 ...",
+            "gate": {"reasons": ["mean acceptance length 2.237 does not beat the champion's 2.500"]},
+        },
+        "links": mlflow_links("http://127.0.0.1:5000", "1", "abc", "drafter-tiny-llama"),
+        "stages": {"train": {"seconds": 12.3456, "cache_hit": False}},
+    }
+    text = summary_markdown(summary)
+    assert text.splitlines()[2] == "**rejected (AL 2.24 does not beat champion v1's 2.50): AL 2.24 ...**"
+    assert "| mean acceptance length | 2.24 tokens/step |" in text
+    assert "| speedup @ concurrency 1 | 0.66x (inconclusive) |" in text
+    assert "| speedup @ concurrency 4 | 1.81x |" in text
+    assert "| exported epoch | 7 (held-out AL 3.19) |" in text
+    assert "| gate | rejected: mean acceptance length 2.237 does not beat the champion's 2.500 |" in text
+    assert "http://127.0.0.1:5000/#/experiments/1/runs/abc" in text
+    assert "| train | 12.3 | run |" in text
+    assert mlflow_links("sqlite:///x.db", "1", "abc", None) == {}  # no UI behind a file store
 
 
 def test_stage_report_reads_nested_evaluation_results() -> None:
