@@ -8,6 +8,7 @@ nothing but config overrides pointing at the rest; the test then reads back what
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 from cluster_services import create_database, postgres_bin_dir, postgres_server, ray_head
 from fixtures_flow import FlowEnv, small_config
 from moto_s3 import moto_s3_server
+from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from draftloop.infra.services import TeamBackends
@@ -94,6 +96,8 @@ def test_team_profile_cycle_on_a_cluster_with_postgresql_and_s3(
         prefect_db = create_database(server_uri, "prefect")
         mlflow_db = create_database(server_uri, "mlflow")
         backends = TeamBackends(prefect_db, mlflow_db, f"s3://{BUCKET}/mlartifacts", s3_endpoint)
+        # An events worker left by an earlier test in this process would keep its old client: start fresh.
+        EventsWorker.drain_all(timeout=10)
         with (
             team_services(tmp_path, backends) as (prefect_api, mlflow_uri),
             ray_head(tmp_path) as (ray_address, ray_env),
@@ -107,9 +111,18 @@ def test_team_profile_cycle_on_a_cluster_with_postgresql_and_s3(
                 prefect_db, "SELECT state_type FROM flow_run WHERE id = %s", summary["run_id"]
             )
             assert flow_runs == [("COMPLETED",)], flow_runs
-            task_runs = _postgres_rows(
-                prefect_db, "SELECT name, state_type FROM task_run WHERE flow_run_id = %s", summary["run_id"]
-            )
+            # Task runs reach the server as events, written asynchronously: wait for them a little.
+            deadline = time.monotonic() + 60
+            while True:
+                task_runs = _postgres_rows(
+                    prefect_db,
+                    "SELECT name, state_type FROM task_run WHERE flow_run_id = %s",
+                    summary["run_id"],
+                )
+                done = {name.split("-")[0] for name, state in task_runs if state == "COMPLETED"}
+                if done >= set(STAGES_RUN) or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
             assert {name.split("-")[0] for name, _ in task_runs} == set(STAGES_RUN), task_runs
             assert all(state == "COMPLETED" for _, state in task_runs), task_runs
             limits = _postgres_rows(prefect_db, 'SELECT name, "limit" FROM concurrency_limit_v2')
