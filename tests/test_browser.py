@@ -7,7 +7,6 @@ folder is printed). Chromium is started here, by PID, and stopped by PID; playwr
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures_flow import REPO_ROOT, FlowEnv, local_services
+from fixtures_registry import drafter_card, fake_drafter
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -173,26 +173,15 @@ def test_prefect_form_runs_the_flow_and_its_page_shows_the_summary(
 def _register_synthetic_versions(flow_env: FlowEnv, name: str) -> list[Any]:
     """Two versions through the project's own registration: v1 becomes champion, v2 is rejected."""
     from draftloop.infra.config import GateConfig
-    from draftloop.infra.tracking import CycleResults, DrafterCard, Tracker, register_drafter
+    from draftloop.infra.tracking import CycleResults, Tracker, register_drafter
 
     tracker = Tracker(
         f"sqlite:///{flow_env.workdir}/mlflow.db", str(flow_env.workdir / "mlartifacts"), "browser-registry"
     )
-    card = DrafterCard(
-        target="tiny-llama",
-        engine="vllm",
-        engine_version="0.32.0",
-        aux_layer_ids=[1, 3, 5],
-        layer_id_convention="layer_input",
-        convention_exported="vllm",
-        hashes={"data_hash": "ab" * 32},
-    )
+    card = drafter_card("tiny-llama", "ab" * 32)
     registrations = []
     for version, length, speedup in (("v1", 2.24, 1.9), ("v2", 1.93, 1.6)):
-        drafter = flow_env.workdir / "browser-drafters" / version
-        drafter.mkdir(parents=True)
-        (drafter / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-        (drafter / "model.safetensors").write_bytes(b"\0" * 64)
+        drafter = fake_drafter(flow_env.workdir / "browser-drafters" / version)
         rate = (length - 1) / 3
         results = CycleResults(
             acceptance_rate=rate,

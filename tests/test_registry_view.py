@@ -5,20 +5,19 @@ A champion, then a weaker challenger, registered against a real SQLite MLflow (n
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import mlflow
 import yaml
+from fixtures_registry import drafter_card, fake_drafter
 
 from draftloop.infra.tracking import (
     CHAMPION_ALIAS,
     DRAFTER_FLAVOR,
     ChampionFigures,
     CycleResults,
-    DrafterCard,
     GateDecision,
     Tracker,
     register_drafter,
@@ -47,27 +46,12 @@ def _results(length: float, speedup_c1: float) -> CycleResults:
     )
 
 
-def _drafter(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    (folder / "model.safetensors").write_bytes(b"\0" * 64)
-    return folder
-
-
 def test_rejected_version_says_why_and_how_it_compares_in_one_line(tmp_path: Path) -> None:
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "artifacts"), "registry-view")
     tracker.start_cycle("cycle", {}, {})
     target = tmp_path / "models" / "tiny-llama"
     target.mkdir(parents=True)
-    card = DrafterCard(
-        target=target_label(str(target)),
-        engine="vllm",
-        engine_version="0.32.0",
-        aux_layer_ids=[1, 3, 5],
-        layer_id_convention="layer_input",
-        convention_exported="vllm",
-        hashes={"data_hash": SHA},
-    )
+    card = drafter_card(target_label(str(target)), SHA)
     name = "drafter-view"
 
     def register(results: CycleResults, tag: str) -> dict[str, object]:
@@ -79,7 +63,7 @@ def test_rejected_version_says_why_and_how_it_compares_in_one_line(tmp_path: Pat
                 GATE,  # type: ignore[arg-type]
                 results,
                 card,
-                _drafter(tmp_path / tag),
+                fake_drafter(tmp_path / tag),
                 serving_command=lambda drafter: (
                     f"vllm serve {target} --drafter {drafter.removeprefix('file://')}"
                 ),

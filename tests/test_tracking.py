@@ -7,12 +7,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fixtures_registry import drafter_card, fake_drafter
 
 from draftloop.infra.evaluation.plots import plot_training_curves
 from draftloop.infra.tracking import (
     CHAMPION_ALIAS,
     CycleResults,
-    DrafterCard,
     Tracker,
     evaluate_gate,
     flatten_params,
@@ -49,25 +49,6 @@ def tracker(tmp_path: Path) -> Tracker:
     return Tracker(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "artifacts"), "test-tracking")
 
 
-def _fake_drafter(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    (folder / "model.safetensors").write_bytes(b"\0" * 64)
-    return folder
-
-
-def _card(data_hash: str) -> DrafterCard:
-    return DrafterCard(
-        target="tiny",
-        engine="vllm",
-        engine_version="0.32.0",
-        aux_layer_ids=[1, 3, 5],
-        layer_id_convention="layer_input",
-        convention_exported="vllm",
-        hashes={"data_hash": data_hash},
-    )
-
-
 def _register(tracker: Tracker, tmp_path: Path, name: str, results: CycleResults, tag: str) -> object:
     with tracker.stage("register") as run:
         return register_drafter(
@@ -76,8 +57,8 @@ def _register(tracker: Tracker, tmp_path: Path, name: str, results: CycleResults
             name,
             _gate(),
             results,
-            _card(tag),
-            _fake_drafter(tmp_path / tag / "drafter"),
+            drafter_card("tiny", tag),
+            fake_drafter(tmp_path / tag / "drafter"),
             serving_command=lambda drafter: f"serve {drafter}",
         )
 
