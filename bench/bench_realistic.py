@@ -302,6 +302,8 @@ def main() -> None:
     parser.add_argument("--samples-per-step", type=int, default=64)
     parser.add_argument("--pack-tokens", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--peer-only", action="store_true", help="only the speculators runs")
+    parser.add_argument("--world-only", action="store_true", help="torchrun: only the N-GPU runs")
     args = parser.parse_args()
     began = time.monotonic()
 
@@ -339,19 +341,21 @@ def main() -> None:
         result[f"world{world}"] = timed_runs(s, data, args, dev, rank, world, flops_per_token, peak)
         write()
         dist.destroy_process_group()
-        if rank != 0:
+        if rank != 0 or args.world_only:
             return
-    result["world1"] = timed_runs(s, data, args, dev, 0, 1, flops_per_token, peak)
-    write()
+    if not args.peer_only:
+        result["world1"] = timed_runs(s, data, args, dev, 0, 1, flops_per_token, peak)
+        write()
     if args.peer and time.monotonic() - began < args.peer_start_before_s:
         try:
             peer = [peer_run(s, data, args, dev) for _ in range(args.runs)]
             for run in peer:
                 log(f"speculators run: {run['tok_per_s']:.0f} tok/s")
             result["speculators"] = {"runs": peer, "tok_per_s": spread([r["tok_per_s"] for r in peer])}
-            result["training_ratio"] = round(
-                result["world1"]["tok_per_s"]["median"] / result["speculators"]["tok_per_s"]["median"], 3
-            )
+            if "world1" in result:
+                result["training_ratio"] = round(
+                    result["world1"]["tok_per_s"]["median"] / result["speculators"]["tok_per_s"]["median"], 3
+                )
         except Exception as error:  # report and keep draftloop's figures
             result["speculators_error"] = repr(error)[:600]
     elif args.peer:

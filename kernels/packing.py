@@ -80,12 +80,16 @@ def collate_rows(
         length = -(-length // pad_multiple) * pad_multiple
     batch = max(len(rows), batch_size or 0)
     lengths += [0] * (batch - len(rows))
-    input_ids = torch.zeros(batch, length, dtype=torch.int64)
-    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
-    aux = torch.zeros(batch, length, int(first["aux_hidden"].shape[-1]), dtype=first["aux_hidden"].dtype)
-    last = torch.zeros(batch, length, int(first["last_hidden"].shape[-1]), dtype=first["last_hidden"].dtype)
-    segment_ids = torch.full((batch, length), -1, dtype=torch.int64)
-    position_ids = torch.zeros(batch, length, dtype=torch.int64)
+    # Pinned for a CUDA device: the copies below then run in the background (a copy from pageable memory
+    # first waits for every kernel queued before it), so the host collates the next micro-batch meanwhile.
+    pin = torch.device(device).type == "cuda"
+    aux_width, last_width = int(first["aux_hidden"].shape[-1]), int(first["last_hidden"].shape[-1])
+    input_ids = torch.zeros(batch, length, dtype=torch.int64, pin_memory=pin)
+    loss_mask = torch.zeros(batch, length, dtype=torch.bool, pin_memory=pin)
+    aux = torch.zeros(batch, length, aux_width, dtype=first["aux_hidden"].dtype, pin_memory=pin)
+    last = torch.zeros(batch, length, last_width, dtype=first["last_hidden"].dtype, pin_memory=pin)
+    segment_ids = torch.full((batch, length), -1, dtype=torch.int64, pin_memory=pin)
+    position_ids = torch.zeros(batch, length, dtype=torch.int64, pin_memory=pin)
     for row_index, (row, sizes) in enumerate(zip(rows, row_lengths, strict=True)):
         start = 0
         for segment, (sample, n) in enumerate(zip(row, sizes, strict=True)):
@@ -97,12 +101,13 @@ def collate_rows(
             segment_ids[row_index, start:end] = segment
             position_ids[row_index, start:end] = torch.arange(n)
             start = end
+    row_lengths_tensor = torch.tensor(lengths, dtype=torch.int64)
     out = {
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "aux_hidden": aux,
         "last_hidden": last,
-        "lengths": torch.tensor(lengths, dtype=torch.int64),
+        "lengths": row_lengths_tensor.pin_memory() if pin else row_lengths_tensor,
     }
     if packed:
         out["segment_ids"] = segment_ids

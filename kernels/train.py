@@ -177,7 +177,23 @@ def ttt_loss(
     decay: float = 0.8,
     step_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """Weighted TTT loss of one collated batch, and per-step metrics.
+    """Weighted TTT loss of one collated batch, and per-step metrics as Python lists (see
+    :func:`ttt_loss_terms`, which the training loop calls to keep them on the device)."""
+    total, terms = ttt_loss_terms(drafter, batch, target_head_draft, ttt_length, decay, step_tokens)
+    stacked = terms.tolist()
+    return total, {"loss": stacked[0], "acc": stacked[1], "tokens": [int(t) for t in stacked[2]]}
+
+
+def ttt_loss_terms(
+    drafter: Eagle3Drafter,
+    batch: Mapping[str, Tensor],
+    target_head_draft: Tensor,
+    ttt_length: int = 7,
+    decay: float = 0.8,
+    step_tokens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Weighted TTT loss of one collated batch, and per-step metrics [3, ttt_length] (loss, acc, tokens)
+    left on the batch's device: reading them would wait for the GPU, so the loop reads a step's sums once.
 
     ``step_tokens`` [ttt_length]: counted positions per TTT step over the whole optimizer step (every
     micro-batch, every rank); step j's loss sums over this batch and divides by them, so the losses of
@@ -239,11 +255,7 @@ def ttt_loss(
             step_accs.append(hits.sum() / tokens.clamp_min(1.0))
         step_losses.append(loss_sum.detach() / tokens.clamp_min(1.0))
         step_counts.append(tokens.detach())
-    stacked = torch.stack(
-        [torch.stack(step_losses), torch.stack(step_accs), torch.stack(step_counts)]
-    ).tolist()
-    metrics = {"loss": stacked[0], "acc": stacked[1], "tokens": [int(t) for t in stacked[2]]}
-    return total, metrics
+    return total, torch.stack([torch.stack(step_losses), torch.stack(step_accs), torch.stack(step_counts)])
 
 
 def _sample_ttt_tokens(sample: Mapping[str, Tensor], ttt_length: int, max_length: int | None) -> list[int]:
@@ -337,14 +349,18 @@ class _StepSums:
     """One optimizer step's loss, hits per TTT step, real and computed tokens, summed over micro-batches
     (and then ranks)."""
 
-    def __init__(self, ttt_length: int) -> None:
+    def __init__(self, ttt_length: int, device: torch.device) -> None:
         self.ttt_length = ttt_length
-        self.values = torch.zeros(ttt_length + 3, dtype=torch.float64)  # loss, hits..., real, computed
+        # loss, hits..., real, computed; on the device: adding never waits for the GPU (the host can
+        # collate the next micro-batch meanwhile), the step's record reads them once.
+        self.values = torch.zeros(ttt_length + 3, dtype=torch.float64, device=device)
 
-    def add(self, loss: Tensor, metrics: Mapping[str, Any], batch: Mapping[str, Tensor]) -> None:
-        hits = [a * n for a, n in zip(metrics["acc"], metrics["tokens"], strict=True)]
-        real, computed = float(batch["lengths"].sum()), batch["input_ids"].numel()
-        self.values += torch.tensor([float(loss.detach()), *hits, real, computed], dtype=torch.float64)
+    def add(self, loss: Tensor, terms: Tensor, batch: Mapping[str, Tensor]) -> None:
+        hits = terms[1].double() * terms[2].double()  # acc x counted positions, per TTT step
+        self.values[0] += loss.detach().double()
+        self.values[1 : self.ttt_length + 1] += hits
+        self.values[self.ttt_length + 1] += batch["lengths"].sum().double()
+        self.values[self.ttt_length + 2] += batch["input_ids"].numel()
 
     def across_ranks(self, world: int) -> _StepSums:
         _sum_across_ranks([self.values], world)
@@ -352,15 +368,16 @@ class _StepSums:
 
     def record(self, step_tokens: Tensor) -> dict[str, Any]:
         ttt = self.ttt_length
-        hits = self.values[1 : ttt + 1].tolist()
+        values = self.values.tolist()
+        hits = values[1 : ttt + 1]
         tokens = [int(n) for n in step_tokens.tolist()]
         return {
-            "loss": float(self.values[0]),
+            "loss": values[0],
             "acc": [h / n if n else 0.0 for h, n in zip(hits, tokens, strict=True)],
             "hits": hits,
             "tokens": tokens,
-            "real_tokens": int(self.values[ttt + 1]),
-            "computed_tokens": int(self.values[ttt + 2]),
+            "real_tokens": int(values[ttt + 1]),
+            "computed_tokens": int(values[ttt + 2]),
         }
 
 
@@ -442,8 +459,8 @@ def train_drafter(
         head = draft_target_head(drafter, head)
     head = head.to(torch.bfloat16) if device.type == "cuda" else head.float()
     compiled = cfg.compile and device.type == "cuda"
-    loss_fn: Callable[..., tuple[Tensor, dict[str, Any]]] = (
-        cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
+    loss_fn: Callable[..., tuple[Tensor, Tensor]] = (
+        cast(Any, torch.compile(ttt_loss_terms, dynamic=False)) if compiled else ttt_loss_terms
     )
     # Compiled: few shapes. Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens;
     # packed rows all to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly.
@@ -503,18 +520,19 @@ def train_drafter(
                 # loss is L = sum_j decay^j * (sum of CE_j over those positions) / N_j.
                 step_tokens = _step_ttt_tokens(share.samples, cfg, world)
                 # This rank's micro-batches: their backward passes add up to its part of dL/dθ.
+                step_tokens_on_device = step_tokens.to(device)  # once: a host copy waits for the GPU
                 optimizer.zero_grad(set_to_none=True)
-                sums = _StepSums(ttt)
+                sums = _StepSums(ttt, device)
                 for rows in _micro_batch_rows(share.samples, cfg):
                     batch = collate_rows(
                         rows, device, cfg.max_length, *fixed_shape, packed=cfg.pack_tokens is not None
                     )
                     with _autocast(device):
-                        loss, metrics = loss_fn(
-                            drafter, batch, head, ttt, cfg.step_decay, step_tokens.to(device)
+                        loss, terms = loss_fn(
+                            drafter, batch, head, ttt, cfg.step_decay, step_tokens_on_device
                         )
                     loss.backward()
-                    sums.add(loss, metrics, batch)
+                    sums.add(loss, terms, batch)
                 # dL/dθ = the sum of every rank's part (an idle rank adds zeros); clip, then one AdamW step.
                 _sum_gradients_across_ranks(params, world)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
