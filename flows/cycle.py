@@ -29,7 +29,7 @@ from draftloop.infra import actors
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.processes import PidRecord, pid_records_dir, reap_dead_records
 from draftloop.infra.redaction import install_log_redaction, redact, register_secrets, secret_values
-from draftloop.infra.tracking import StageRun, Tracker, flatten_params
+from draftloop.infra.tracking import StageRun, Tracker, flatten_params, format_figure
 from draftloop.tasks.cache import STAGES
 from draftloop.tasks.cycle import CycleContext, cycle_pids, run_folder_uri
 from draftloop.tasks.evaluate import evaluate_stage
@@ -165,12 +165,6 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
     }
 
 
-def _shown(value: Any, digits: int = 3, unit: str = "") -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
-
-
 def mlflow_links(
     tracking_uri: str, experiment_id: str, run_id: str | None, model: str | None
 ) -> dict[str, str]:
@@ -191,16 +185,15 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if registered.get("verdict"):
         lines += [f"**{registered['verdict']}**", ""]
     lines += ["| result | value |", "|---|---|"]
-    lines.append(f"| evaluation verdict | {_shown(summary.get('verdict'))} |")
-    lines.append(f"| acceptance rate | {_shown(summary.get('acceptance_rate'))} |")
-    lines.append(
-        f"| mean acceptance length | {_shown(summary.get('mean_acceptance_length'), 2, ' tokens/step')} |"
-    )
+    lines.append(f"| evaluation verdict | {format_figure(summary.get('verdict'))} |")
+    lines.append(f"| acceptance rate | {format_figure(summary.get('acceptance_rate'))} |")
+    mean_al = format_figure(summary.get("mean_acceptance_length"), 2, " tokens/step")
+    lines.append(f"| mean acceptance length | {mean_al} |")
     statuses = summary.get("speedup_status") or {}
     for concurrency, speedup in (summary.get("speedup") or {}).items():
         flag = str(statuses.get(concurrency, "ok")).split(":")[0]
         lines.append(
-            f"| speedup @ concurrency {concurrency} | {_shown(speedup, 2, 'x')}"
+            f"| speedup @ concurrency {concurrency} | {format_figure(speedup, 2, 'x')}"
             + (f" ({flag})" if flag != "ok" else "")
             + " |"
         )
@@ -210,7 +203,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if epoch.get("exported_epoch") is not None:
         lines.append(
             f"| exported epoch | {epoch['exported_epoch']} "
-            f"(held-out AL {_shown(epoch.get('held_out_acceptance_length'), 2)}) |"
+            f"(held-out AL {format_figure(epoch.get('held_out_acceptance_length'), 2)}) |"
         )
     if registered:
         gate = registered.get("gate") or {}

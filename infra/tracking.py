@@ -354,8 +354,8 @@ def evaluate_gate(
             reasons.append("engine/simulator consistency was not measured")
         elif not results.consistent:
             reasons.append(
-                f"engine acceptance {_fmt(results.acceptance_rate)} disagrees with the simulator's "
-                f"{_fmt(results.simulator_acceptance_rate)} (integration fault)"
+                f"engine acceptance {format_figure(results.acceptance_rate)} disagrees with the simulator's "
+                f"{format_figure(results.simulator_acceptance_rate)} (integration fault)"
             )
     length = results.mean_acceptance_length
     if gate.min_acceptance_length is not None:
@@ -378,8 +378,11 @@ def evaluate_gate(
     return GateDecision(passed=not reasons, reasons=reasons, notes=notes)
 
 
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+def format_figure(value: Any, digits: int = 3, unit: str = "") -> str:
+    """A figure for people: `n/a` when missing, a float to `digits` decimals, anything else as is."""
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
 
 
 def _percent(value: float | None) -> str:
@@ -437,11 +440,11 @@ class DrafterCard:
 def result_tags(results: CycleResults) -> dict[str, str]:
     """The figures a version carries as tags, rounded; the leaderboard is rebuilt from them."""
     tags = {
-        "mean_acceptance_length": _fmt(results.mean_acceptance_length),
-        "acceptance_rate": _fmt(results.acceptance_rate),
+        "mean_acceptance_length": format_figure(results.mean_acceptance_length),
+        "acceptance_rate": format_figure(results.acceptance_rate),
     }
     for concurrency, speedup in sorted(results.speedup.items()):
-        tags[f"speedup_c{concurrency}"] = _fmt(speedup)
+        tags[f"speedup_c{concurrency}"] = format_figure(speedup)
         status = results.speedup_status.get(concurrency, "ok")
         if status != "ok":
             tags[f"speedup_c{concurrency}_status"] = status.split(":")[0]
@@ -493,7 +496,7 @@ def _comparison(results: CycleResults, passed: bool, champion: ChampionFigures |
         return "first champion" if passed else "no champion yet"
     length, theirs = results.mean_acceptance_length, champion.mean_acceptance_length
     if length is None or theirs is None:
-        text = f"champion v{champion.version} has AL {_fmt(theirs, 2)}"
+        text = f"champion v{champion.version} has AL {format_figure(theirs, 2)}"
     elif passed and length > theirs:
         text = f"beats v{champion.version} by {length - theirs:+.2f} AL"
     elif passed:  # a gate without beat_champion
@@ -515,7 +518,7 @@ def verdict_line(
     `champion: AL 2.24, speedup 1.90x @ c=1 on vLLM 0.32.0 — beats v1 by +0.31 AL, speedup +0.20x vs v1`.
     A rejected version names the gate's reasons in its head."""
     head = "champion" if decision.passed else f"rejected ({'; '.join(decision.reasons)})"
-    figures = f"AL {_fmt(results.mean_acceptance_length, 2)}, {_speedup_phrase(results)} on {engine}"
+    figures = f"AL {format_figure(results.mean_acceptance_length, 2)}, {_speedup_phrase(results)} on {engine}"
     return f"{head}: {figures} — {_comparison(results, decision.passed, champion)}"
 
 
@@ -531,7 +534,7 @@ def description_table(
     lines = ["| metric | value |", "|---|---|"]
     lines += [f"| {label} | {value} |" for label, value in context_rows]
     lines += [
-        f"| mean acceptance length | {_fmt(results.mean_acceptance_length)} tokens/step |",
+        f"| mean acceptance length | {format_figure(results.mean_acceptance_length)} tokens/step |",
         f"| acceptance rate | {_percent(results.acceptance_rate)} |",
         f"| simulator acceptance rate | {_percent(results.simulator_acceptance_rate)} |",
         f"| engine/simulator consistent | {consistent} |",
@@ -573,8 +576,9 @@ def version_description(
 
 
 def _champion_figures(champion: ChampionFigures) -> str:
-    speedup = "n/a" if champion.speedup_c1 is None else f"{champion.speedup_c1:.3f}x"
-    return f"AL {_fmt(champion.mean_acceptance_length)} tokens/step, speedup {speedup} @ concurrency 1"
+    mean_al = format_figure(champion.mean_acceptance_length)
+    speedup = format_figure(champion.speedup_c1, 3, "x")
+    return f"AL {mean_al} tokens/step, speedup {speedup} @ concurrency 1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -694,7 +698,8 @@ def leaderboard_markdown(client: MlflowClient, name: str) -> str:
     else:
         tags = champion.tags
         head = (
-            f"Champion: v{champion.version}, AL {_fmt(_tag_float(tags, 'mean_acceptance_length'), 2)}, "
+            f"Champion: v{champion.version}, "
+            f"AL {format_figure(_tag_float(tags, 'mean_acceptance_length'), 2)}, "
             f"speedup {_speedup_cell(tags, 1)} @ c=1 on "
             f"{engine_label(tags.get('engine', '?'), tags.get('engine_version'))}."
         )
@@ -717,7 +722,7 @@ def leaderboard_markdown(client: MlflowClient, name: str) -> str:
         cells = [
             f"v{version.version}",
             gate,
-            _fmt(_tag_float(tags, "mean_acceptance_length"), 2),
+            format_figure(_tag_float(tags, "mean_acceptance_length"), 2),
             _percent(_tag_float(tags, "acceptance_rate")),
             *(_speedup_cell(tags, c) for c in concurrencies),
             engine_label(tags.get("engine", "-"), tags.get("engine_version")),
