@@ -14,12 +14,13 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 _POLL_S = 0.1
+_LOCK_POLL_S = 0.5
 
 
 def state_dir(root: Path | None = None) -> Path:
@@ -231,3 +232,36 @@ def reap_dead_records(folder: Path | None = None, grace_s: float = 10.0) -> list
             continue
         signalled += record.stop_all(grace_s)
     return signalled
+
+
+@contextmanager
+def held_exclusively(name: str, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold the lock `name` (a file under the state folder's `locks/`) while the block runs.
+
+    Another live holder makes this wait; `on_wait(holder)` is told who holds it first. The kernel drops
+    the lock when its holder exits (SIGKILL included); a lock whose recorded holder is dead (a forked
+    child kept it) is not waited for.
+    """
+    path = state_dir() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                pid = int(holder.split()[1]) if holder.startswith("pid ") else 0
+                if pid and not is_alive(pid):
+                    break
+                if on_wait is not None and not told:
+                    on_wait(holder or "another process")
+                    told = True
+                time.sleep(_LOCK_POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

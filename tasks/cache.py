@@ -13,10 +13,15 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
+
 from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.processes import held_exclusively
 from draftloop.infra.storage import Manifest, StorageOptions, join, read_manifest, storage_options
 
 # The stages in cycle order; each names its output folder.
@@ -125,10 +130,21 @@ def run_cached(
     found = find_committed(uri, key, storage_options(config))
     if found is not None:
         return StageOutcome(stage, key, uri, found, cache_hit=True, seconds=time.perf_counter() - started)
-    work = StageWork(stage=stage, key=key, uri=uri, inputs=inputs)
-    if on_start is not None:
-        on_start(work)
-    manifest = body(work)
+
+    def waiting(holder: str) -> None:
+        with suppress(MissingContextError):
+            get_run_logger().info(f"{stage}: another run ({holder}) is producing this output; waiting for it")
+
+    # Two runs of one config at once would write the same output and work folders: the second waits for
+    # the first, then finds its committed manifest (or, if the first failed, produces it itself).
+    with held_exclusively(f"{config.name}-{stage}-{key}", on_wait=waiting):
+        found = find_committed(uri, key, storage_options(config))
+        if found is not None:
+            return StageOutcome(stage, key, uri, found, cache_hit=True, seconds=time.perf_counter() - started)
+        work = StageWork(stage=stage, key=key, uri=uri, inputs=inputs)
+        if on_start is not None:
+            on_start(work)
+        manifest = body(work)
     if manifest.inputs.get("cache_key") != key:
         raise StageError(stage, f"committed manifest at {uri} lacks cache key {key}")
     return StageOutcome(stage, key, uri, manifest, cache_hit=False, seconds=time.perf_counter() - started)

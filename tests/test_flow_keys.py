@@ -150,3 +150,51 @@ def test_only_transient_failures_are_retried() -> None:
     assert not is_transient(EngineStartError("died", pattern="unsupported model type"))  # never will
     assert not is_transient(raised_from(ValueError("a bug")))
     assert not is_transient(None)
+
+
+_CONCURRENT_RUN = """
+import json, sys, time
+from pathlib import Path
+from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.storage import DatasetWriter
+from draftloop.tasks.cache import run_cached
+
+config_path, root, counter = sys.argv[1:4]
+config = ExperimentConfig.load(config_path, {"storage.root": root}, check_environment=False)
+
+def body(work):
+    with open(counter, "a") as handle:
+        handle.write(work.key + "\\n")
+    time.sleep(3)  # long enough for the other run to arrive while this one holds the stage
+    writer = DatasetWriter(work.uri)
+    writer.write_shard("registration.json", b"{}", rows=1)
+    return writer.commit("register", inputs=work.inputs)
+
+outcome = run_cached("register", config, ("tracking",), {}, body)
+print(json.dumps({"hit": outcome.cache_hit, "hash": outcome.manifest.content_hash()}))
+"""
+
+
+def test_two_concurrent_runs_of_one_config_produce_a_stage_once(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    counter = tmp_path / "bodies.txt"
+    env = {**os.environ, "DRAFTLOOP_STATE_DIR": str(tmp_path / "state"), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    args = [str(REPO_ROOT / "configs" / "tiny-llama.yaml"), str(tmp_path / "runs"), str(counter)]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONCURRENT_RUN, *args], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [json.loads(run.communicate(timeout=120)[0].strip().splitlines()[-1]) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    assert len(counter.read_text().splitlines()) == 1  # the second run waited, then found the output
+    assert sorted(o["hit"] for o in outputs) == [False, True]
+    assert outputs[0]["hash"] == outputs[1]["hash"]

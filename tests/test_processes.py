@@ -46,8 +46,17 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path:
     # reports 0): what counts is that the leader is gone.
     assert leader.wait(timeout=10) in (-signal.SIGKILL, 0)
     assert not is_alive(leader.pid)
-    group = subprocess.run(["pgrep", "-g", str(leader.pid)], capture_output=True, text=True).stdout.split()
-    assert not [pid for pid in group if is_alive(int(pid))]  # the child went too (a zombie at most)
+
+    def group_alive() -> list[str]:
+        group = subprocess.run(
+            ["pgrep", "-g", str(leader.pid)], capture_output=True, text=True
+        ).stdout.split()
+        return [pid for pid in group if is_alive(int(pid))]
+
+    deadline = time.monotonic() + 5  # SIGKILL is delivered when the child is next scheduled
+    while group_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive()  # the child went too (a zombie at most)
     assert not record.path.exists()
     assert stop_processes([leader.pid]) == []  # nothing left to signal
 
@@ -98,3 +107,49 @@ def test_a_reused_pid_is_never_signalled(tmp_path: Path) -> None:
         assert not record.path.exists()
     finally:
         stop_processes([stranger.pid], grace_s=1)
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, sys.argv[2].encode(), 0)
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _hold(path: Path, holder: str, seconds: float) -> subprocess.Popen[str]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(path), holder, str(seconds)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "held"
+    return process
+
+
+def test_a_held_lock_is_waited_for_and_one_whose_holder_died_is_not(tmp_path: Path, monkeypatch) -> None:
+    from draftloop.infra.processes import held_exclusively
+
+    monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path))
+    lock = tmp_path / "locks" / "cycle-train-abc.lock"
+    told: list[str] = []
+    holder = _hold(lock, "", 2.0)
+    try:
+        started = time.monotonic()
+        with held_exclusively("cycle-train-abc", on_wait=told.append):
+            waited = time.monotonic() - started
+        assert waited >= 1.0 and len(told) == 1  # waited for the live holder and said so once
+    finally:
+        holder.kill()
+        holder.wait()
+
+    # A forked child kept the lock of a run that died: its recorded holder is dead, so nobody waits.
+    orphan = _hold(lock, f"pid {_dead_pid()} since earlier", 60.0)
+    try:
+        started = time.monotonic()
+        with held_exclusively("cycle-train-abc"):
+            assert time.monotonic() - started < 5.0
+    finally:
+        orphan.kill()
+        orphan.wait()
