@@ -55,16 +55,32 @@ class _Chunk:
     ready: torch.cuda.Event | None
 
 
-def _pad_batch(samples: Sequence[TokenizedSample], device: torch.device) -> tuple[Tensor, Tensor | None]:
+def _pad_batch(
+    samples: Sequence[TokenizedSample], device: torch.device
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(input_ids [B, T], attention mask or None, flat indices of the real tokens or None) on ``device``.
+
+    Built in pinned memory for a CUDA device and copied without blocking: a copy from pageable memory,
+    or a boolean-mask gather, would wait for the forward pass still running, and the GPU would idle
+    while the host launches the next one.
+    """
+    pin = device.type == "cuda"
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     longest = max(lengths)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long, pin_memory=pin)
     for row, sample in enumerate(samples):
         ids[row, : lengths[row]] = sample["input_ids"]
     if all(n == longest for n in lengths):
-        return ids.to(device, non_blocking=True), None
+        return ids.to(device, non_blocking=True), None, None
     mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-    return ids.to(device, non_blocking=True), mask.to(device=device, dtype=torch.long)
+    keep = mask.flatten().nonzero().squeeze(1)  # on the host, where the lengths are known
+    if pin:
+        mask, keep = mask.pin_memory(), keep.pin_memory()
+    return (
+        ids.to(device, non_blocking=True),
+        mask.to(device=device, dtype=torch.long, non_blocking=True),
+        keep.to(device, non_blocking=True),
+    )
 
 
 def _to_host(tensor: Tensor, stream: torch.cuda.Stream | None) -> Tensor:
@@ -153,7 +169,7 @@ def extract_hidden_states(
             for batch in batches:
                 if not batch:
                     continue
-                input_ids, attention_mask = _pad_batch(batch, device)
+                input_ids, attention_mask, keep = _pad_batch(batch, device)
                 captured = capture_aux_hidden_states(
                     model, input_ids, layer_ids, attention_mask=attention_mask, want_last=True
                 )
@@ -161,11 +177,9 @@ def extract_hidden_states(
                 aux, last = captured.aux, captured.last
                 if store_dtype is not None:
                     aux, last = aux.to(store_dtype), last.to(store_dtype)
-                if attention_mask is None:  # no padding: a reshape, no gather
-                    aux, last = aux.flatten(0, 1), last.flatten(0, 1)
-                else:
-                    keep = attention_mask.bool().flatten()
-                    aux, last = aux.flatten(0, 1)[keep], last.flatten(0, 1)[keep]
+                aux, last = aux.flatten(0, 1), last.flatten(0, 1)
+                if keep is not None:  # padding: gather the real tokens (no padding: a reshape only)
+                    aux, last = aux.index_select(0, keep), last.index_select(0, keep)
                 if copy_stream is not None:
                     copy_stream.wait_stream(torch.cuda.current_stream(device))
                 host_aux, host_last = _to_host(aux, copy_stream), _to_host(last, copy_stream)
