@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -32,10 +33,17 @@ def serving_command(config: ExperimentConfig, drafter_source: str, recommended_k
     """The command serving the target with the registered drafter at the evaluation's recommended k
     (the engine's own k when none was recommended), in the config's engine."""
     engine = get_engine(config.engine.kind, config.engine.settings())
-    drafter = drafter_source.removeprefix("file://")  # a local artifact store: the folder itself
     k = int(recommended_k or config.engine.num_speculative_tokens)
     target = Path(config.target.path)
-    return engine.user_serving_command(str(target.resolve()) if target.exists() else str(target), drafter, k)
+    target_arg = str(target.resolve()) if target.exists() else str(target)
+    local = drafter_source.removeprefix("file://")  # a local artifact store: the folder itself
+    if "://" not in local and not local.startswith("mlflow-artifacts:"):
+        return engine.user_serving_command(target_arg, local, k)
+    # A remote artifact store (S3, an MLflow server): engines load a local folder, so fetch it first.
+    folder = f"./{config.name}-drafter"
+    download = f"mlflow artifacts download --artifact-uri {shlex.quote(drafter_source)} --dst-path {folder}"
+    drafter = f"{folder}/{drafter_source.rstrip('/').rsplit('/', 1)[-1]}"
+    return f"{download} && {engine.user_serving_command(target_arg, drafter, k)}"
 
 
 def run(
