@@ -43,6 +43,7 @@ __all__ = [
     "make_scheduler",
     "train_drafter",
     "ttt_loss",
+    "ttt_metrics",
     "ttt_weights",
 ]
 
@@ -176,31 +177,16 @@ def ttt_loss(
     ttt_length: int = 7,
     decay: float = 0.8,
     step_tokens: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Any]]:
-    """Weighted TTT loss of one collated batch, and per-step metrics as Python lists (see
-    :func:`ttt_loss_terms`, which the training loop calls to keep them on the device)."""
-    total, terms = ttt_loss_terms(drafter, batch, target_head_draft, ttt_length, decay, step_tokens)
-    stacked = terms.tolist()
-    return total, {"loss": stacked[0], "acc": stacked[1], "tokens": [int(t) for t in stacked[2]]}
-
-
-def ttt_loss_terms(
-    drafter: Eagle3Drafter,
-    batch: Mapping[str, Tensor],
-    target_head_draft: Tensor,
-    ttt_length: int = 7,
-    decay: float = 0.8,
-    step_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Weighted TTT loss of one collated batch, and per-step metrics [3, ttt_length] (loss, acc, tokens)
-    left on the batch's device: reading them would wait for the GPU, so the loop reads a step's sums once.
+    """Weighted TTT loss of one collated batch, and per-step metrics ``terms`` [3, ttt_length] (loss, acc,
+    tokens), left on the batch's device: reading them waits for the GPU, so the training loop reads one
+    step's sums once (:func:`ttt_metrics` turns them into lists).
 
     ``step_tokens`` [ttt_length]: counted positions per TTT step over the whole optimizer step (every
     micro-batch, every rank); step j's loss sums over this batch and divides by them, so the losses of
     a step's micro-batches add up to its token-weighted mean. None: this batch's own counts.
-    Returns (loss, {"loss": [per step], "acc": [per step], "tokens": [per step]}) where loss and acc are
-    this batch's means and acc is the share of counted positions whose drafter argmax equals the
-    target's argmax over the draft vocab.
+    Per step, the terms' loss and acc are this batch's means, acc being the share of counted positions
+    whose drafter argmax equals the target's argmax over the draft vocab; tokens are those positions.
     """
     input_ids = batch["input_ids"]
     length = input_ids.shape[1]
@@ -256,6 +242,12 @@ def ttt_loss_terms(
         step_losses.append(loss_sum.detach() / tokens.clamp_min(1.0))
         step_counts.append(tokens.detach())
     return total, torch.stack([torch.stack(step_losses), torch.stack(step_accs), torch.stack(step_counts)])
+
+
+def ttt_metrics(terms: Tensor) -> dict[str, list[Any]]:
+    """:func:`ttt_loss`'s per-step terms as lists: {"loss": [...], "acc": [...], "tokens": [int, ...]}."""
+    losses, accs, counts = terms.tolist()
+    return {"loss": losses, "acc": accs, "tokens": [int(t) for t in counts]}
 
 
 def _sample_ttt_tokens(sample: Mapping[str, Tensor], ttt_length: int, max_length: int | None) -> list[int]:
@@ -460,7 +452,7 @@ def train_drafter(
     head = head.to(torch.bfloat16) if device.type == "cuda" else head.float()
     compiled = cfg.compile and device.type == "cuda"
     loss_fn: Callable[..., tuple[Tensor, Tensor]] = (
-        cast(Any, torch.compile(ttt_loss_terms, dynamic=False)) if compiled else ttt_loss_terms
+        cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
     )
     # Compiled: few shapes. Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens;
     # packed rows all to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly.

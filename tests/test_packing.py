@@ -14,6 +14,7 @@ from draftloop.kernels.train import (
     draft_target_head,
     train_drafter,
     ttt_loss,
+    ttt_metrics,
     ttt_weights,
 )
 
@@ -55,13 +56,15 @@ def test_packed_loss_equals_separate_samples() -> None:
     positions: list[list[int]] = []  # what the drafter is given (RoPE alone would not tell)
     hook = drafter.register_forward_pre_hook(lambda _m, args: positions.append(args[2][0].tolist()))
     with torch.no_grad():
-        loss_packed, packed = ttt_loss(drafter, collate_rows([samples]), head, 4, 0.8)
+        loss_packed, packed_terms = ttt_loss(drafter, collate_rows([samples]), head, 4, 0.8)
+        packed = ttt_metrics(packed_terms)
     hook.remove()
     restarting = [p for s in samples for p in range(len(s["input_ids"]))]
     assert positions == [[p + step for p in restarting] for step in range(4)]
     with torch.no_grad():
-        alone = [ttt_loss(drafter, collate_samples([s]), head, 4, 0.8)[1] for s in samples]
-        loss_padded, padded = ttt_loss(drafter, collate_samples(samples), head, 4, 0.8)
+        alone = [ttt_metrics(ttt_loss(drafter, collate_samples([s]), head, 4, 0.8)[1]) for s in samples]
+        loss_padded, padded_terms = ttt_loss(drafter, collate_samples(samples), head, 4, 0.8)
+        padded = ttt_metrics(padded_terms)
     assert packed["tokens"] == padded["tokens"]
     for step in range(4):
         tokens = [m["tokens"][step] for m in alone]

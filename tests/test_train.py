@@ -15,7 +15,14 @@ from draftloop.kernels.capture import capture_aux_hidden_states
 from draftloop.kernels.checkpoint import load_drafter, save_drafter
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
-from draftloop.kernels.train import TrainConfig, collate_samples, draft_target_head, train_drafter, ttt_loss
+from draftloop.kernels.train import (
+    TrainConfig,
+    collate_samples,
+    draft_target_head,
+    train_drafter,
+    ttt_loss,
+    ttt_metrics,
+)
 from draftloop.kernels.vocab import build_draft_vocab
 
 LAYERS = LayerIds((1, 3, 5))
@@ -106,7 +113,8 @@ def test_ttt_loss_matches_per_anchor_reference(target_and_samples) -> None:  # t
     sample = samples[1]
     batch = collate_samples([sample])
     with torch.no_grad():
-        loss, metrics = ttt_loss(drafter, batch, head, ttt_length=4, decay=0.8)
+        loss, terms = ttt_loss(drafter, batch, head, ttt_length=4, decay=0.8)
+        metrics = ttt_metrics(terms)
         want, counts = reference_ttt_loss(drafter, sample, head, 4, 0.8)
     assert metrics["tokens"] == counts
     torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-4)
@@ -119,8 +127,8 @@ def test_padded_batch_has_no_cross_sample_attention(target_and_samples) -> None:
     head = draft_target_head(drafter, model.lm_head.weight.detach())
     pair = [samples[0], samples[2]]  # 28 and 18 tokens
     with torch.no_grad():
-        _, together = ttt_loss(drafter, collate_samples(pair), head, 3, 0.8)
-        alone = [ttt_loss(drafter, collate_samples([s]), head, 3, 0.8)[1] for s in pair]
+        together = ttt_metrics(ttt_loss(drafter, collate_samples(pair), head, 3, 0.8)[1])
+        alone = [ttt_metrics(ttt_loss(drafter, collate_samples([s]), head, 3, 0.8)[1]) for s in pair]
     for step in range(3):
         tokens = [m["tokens"][step] for m in alone]
         assert together["tokens"][step] == sum(tokens)
@@ -135,7 +143,8 @@ def test_loss_ignores_non_assistant_targets(target_and_samples) -> None:  # type
     sample = dict(samples[0])
     masked = dict(sample, loss_mask=torch.zeros_like(sample["loss_mask"]))
     with torch.no_grad():
-        loss, metrics = ttt_loss(drafter, collate_samples([masked]), head, 3, 0.8)
+        loss, terms = ttt_loss(drafter, collate_samples([masked]), head, 3, 0.8)
+        metrics = ttt_metrics(terms)
     assert metrics["tokens"] == [0, 0, 0] and float(loss) == 0.0
 
 
@@ -227,7 +236,8 @@ def test_collate_pads_to_fixed_shapes(target_and_samples) -> None:  # type: igno
     assert fixed["input_ids"].shape == (4, 32) and fixed["lengths"].tolist()[2:] == [0, 0]
     assert plain["input_ids"].shape == (2, 28)
     with torch.no_grad():
-        loss_plain, metrics_plain = ttt_loss(drafter, plain, head, 3, 0.8)
-        loss_fixed, metrics_fixed = ttt_loss(drafter, fixed, head, 3, 0.8)
+        loss_plain, terms_plain = ttt_loss(drafter, plain, head, 3, 0.8)
+        loss_fixed, terms_fixed = ttt_loss(drafter, fixed, head, 3, 0.8)
+        metrics_plain, metrics_fixed = ttt_metrics(terms_plain), ttt_metrics(terms_fixed)
     assert metrics_fixed["tokens"] == metrics_plain["tokens"]
     torch.testing.assert_close(loss_fixed, loss_plain)
