@@ -11,6 +11,7 @@ is set aside (in `rejected.jsonl`), and too many set-aside rows still end it.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from collections.abc import Iterator
@@ -95,6 +96,27 @@ def _input_files(source: str, options: StorageOptions | None) -> list[str]:
     if not names:
         raise DataError(source, None, "holds no .jsonl or .parquet files")
     return [name if is_local(source) or "://" in name else protocol + name for name in names]
+
+
+# What a store says about a file's version: S3's ETag, GCS's md5, a local or other file's mtime.
+_VERSION_FIELDS = ("ETag", "etag", "md5", "mtime", "LastModified", "last_modified")
+
+
+def input_fingerprint(source: str, options: StorageOptions | None = None) -> str:
+    """A digest that changes when `source`'s files change, read from their metadata alone (name, size,
+    and the store's ETag or modification time), so a stage cached on it never reads stale prompts and a
+    cached re-run reads no data. The bundled prompts are hashed by content (their mtime is the checkout's).
+    """
+    identity: list[Any] = []
+    for uri in _input_files(source, options):
+        if source == BUILTIN_PROMPTS:
+            identity.append([Path(uri).name, hashlib.sha256(Path(uri).read_bytes()).hexdigest()])
+            continue
+        fs, path = filesystem(uri, options)
+        info = fs.info(path)
+        version = next((info[key] for key in _VERSION_FIELDS if key in info), None)
+        identity.append([uri, info.get("size"), str(version)])
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def _file_rows(uri: str, options: StorageOptions | None) -> Iterator[tuple[str, Any]]:

@@ -23,7 +23,7 @@ from draftloop.infra.conversations import (
     SynthesisResult,
     to_jsonl,
 )
-from draftloop.infra.datasets import read_input_from_config
+from draftloop.infra.datasets import input_fingerprint, read_input_from_config
 from draftloop.infra.engine_actors import start_server_actor
 from draftloop.infra.engine_synthesis import regenerate_from_config, synthesis_engine
 from draftloop.infra.processes import PidRecord, state_dir
@@ -143,7 +143,9 @@ def run(
         }
         return writer.commit("synthesize", inputs=work.inputs, summary=summary)
 
-    return run_cached("synthesize", config, SECTIONS, {}, body, on_start=on_start)
+    # The prompts' files themselves, not only their path: edited prompts are synthesized again.
+    data_files = {"data.files": input_fingerprint(str(config.data.prompts), storage_options(config))}
+    return run_cached("synthesize", config, SECTIONS, {}, body, on_start=on_start, extra_inputs=data_files)
 
 
 @task(name="synthesize", **stage_task_options())

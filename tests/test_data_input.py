@@ -19,7 +19,7 @@ from draftloop.cli import app
 from draftloop.commands.run import bad_input_behind
 from draftloop.infra.config import ExperimentConfig
 from draftloop.infra.conversations import REJECTED_SHARD, SynthesisResult, first_turns, read_conversations
-from draftloop.infra.datasets import DataError, read_input
+from draftloop.infra.datasets import DataError, input_fingerprint, read_input
 from draftloop.infra.storage import read_shard, storage_options, write_bytes_atomic
 from draftloop.tasks import synthesize
 from draftloop.tasks.cache import StageError
@@ -151,6 +151,11 @@ def test_s3_jsonl_and_parquet(tmp_path: Path) -> None:
         assert [row["id"] for row in single.rows] == ["p1", "2"]
         both = read_input("s3://data/in", options=options)
         assert sorted(both.formats.values()) == ["openai", "prompt"] and len(both.rows) == 3
+        # edited in place on S3: the fingerprint (from ETags, no data read) changes, so does the stage key
+        before = input_fingerprint("s3://data/in", options)
+        assert input_fingerprint("s3://data/in", options) == before
+        write_bytes_atomic("s3://data/in/a.jsonl", _as_bytes(PROMPT_ROWS[:1]), options)
+        assert input_fingerprint("s3://data/in", options) != before
 
 
 def _as_bytes(rows: list[Any]) -> bytes:
@@ -325,3 +330,34 @@ def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
             "reason": f"duplicate id 'g0' (first at {source}:line 1)",
         }
     ]
+
+
+def test_edited_prompts_change_the_synthesize_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(_as_bytes(PROMPT_ROWS))
+    config = ExperimentConfig.load(
+        TINY_LLAMA,
+        {
+            "data.prompts": str(prompts),
+            "storage.root": str(tmp_path / "runs"),
+            "target.path": str(tmp_path / "t"),
+        },
+        check_environment=False,
+    )
+    keys: list[str] = []
+
+    def no_stage(stage: str, config: Any, sections: Any, upstream: Any, body: Any, **kwargs: Any) -> Any:
+        from draftloop.tasks.cache import cache_key
+
+        keys.append(cache_key(stage, config, sections, upstream, kwargs["extra_inputs"])[0])
+
+    monkeypatch.setattr(synthesize, "run_cached", no_stage)
+    synthesize.run(config)
+    synthesize.run(config)
+    prompts.write_bytes(_as_bytes([*PROMPT_ROWS, {"id": "p3", "prompt": "One more."}]))
+    synthesize.run(config)
+    assert keys[0] == keys[1] != keys[2]  # same files: the cache hits; edited file: synthesized again
+    # the bundled prompts are keyed by content, so every checkout shares them
+    assert input_fingerprint("builtin") == input_fingerprint("builtin")
