@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from draftloop.infra.config import ConfigError, ExperimentConfig
@@ -17,3 +19,18 @@ def ensure_target(config: ExperimentConfig) -> str:
         raise ConfigError("target.path", f"{path} has no config.json and target.create is not set")
     create_tiny_model(config.target.create, path, seed=config.target.seed)
     return str(path)
+
+
+def target_fingerprint(config: ExperimentConfig) -> str:
+    """A digest of the target folder's files (names, sizes, mtimes; nothing read), so that weights or a
+    tokenizer replaced in place make every stage run again. A zoo target (`target.create`) is defined by
+    its recipe and seed, already in the config: "recipe"."""
+    if config.target.create:
+        return "recipe"
+    folder = Path(config.target.path)
+    identity = []
+    for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        name = path.relative_to(folder)
+        if path.is_file() and not any(part.startswith(".") for part in name.parts):  # not .cache/ etc.
+            identity.append([str(name), path.stat().st_size, path.stat().st_mtime_ns])
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]

@@ -28,7 +28,7 @@ from draftloop.infra.engine_actors import start_server_actor
 from draftloop.infra.engine_synthesis import regenerate_from_config, synthesis_engine
 from draftloop.infra.processes import PidRecord, state_dir
 from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
-from draftloop.infra.targets import ensure_target
+from draftloop.infra.targets import ensure_target, target_fingerprint
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options
@@ -143,9 +143,13 @@ def run(
         }
         return writer.commit("synthesize", inputs=work.inputs, summary=summary)
 
-    # The prompts' files themselves, not only their path: edited prompts are synthesized again.
-    data_files = {"data.files": input_fingerprint(str(config.data.prompts), storage_options(config))}
-    return run_cached("synthesize", config, SECTIONS, {}, body, on_start=on_start, extra_inputs=data_files)
+    # The prompts' and the target's files themselves, not only their paths: edited prompts or weights
+    # replaced in place are synthesized again (and every later stage follows through the manifests).
+    files = {
+        "data.files": input_fingerprint(str(config.data.prompts), storage_options(config)),
+        "target.files": target_fingerprint(config),
+    }
+    return run_cached("synthesize", config, SECTIONS, {}, body, on_start=on_start, extra_inputs=files)
 
 
 @task(name="synthesize", **stage_task_options())

@@ -361,3 +361,15 @@ def test_edited_prompts_change_the_synthesize_cache_key(
     assert keys[0] == keys[1] != keys[2]  # same files: the cache hits; edited file: synthesized again
     # the bundled prompts are keyed by content, so every checkout shares them
     assert input_fingerprint("builtin") == input_fingerprint("builtin")
+
+    # a target folder of the user's (no zoo recipe): weights replaced in place are a new key too
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"old weights")
+    own_target = config.model_copy(update={"target": config.target.model_copy(update={"create": None})})
+    synthesize.run(own_target)
+    synthesize.run(own_target)
+    (target / "model.safetensors").write_bytes(b"new weights!")
+    synthesize.run(own_target)
+    assert keys[3] == keys[4] != keys[5] and keys[3] != keys[2]
