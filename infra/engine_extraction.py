@@ -53,14 +53,15 @@ def extraction_layer_ids(aux: LayerIds, depth: int) -> LayerIds:
     return LayerIds((*ids, depth), "layer_input")
 
 
-def load_final_norm(target_dir: Path, dtype: torch.dtype) -> nn.Module:
+def load_final_norm(target_dir: Path, dtype: torch.dtype, *, trust_remote_code: bool = False) -> nn.Module:
     """The target's final norm module with its trained weights, without building the rest of the model:
-    the model is created on the meta device, only the norm's tensors are read from the weights files."""
+    the model is created on the meta device, only the norm's tensors are read from the weights files.
+    `trust_remote_code`: the config and model classes may come from the target folder's own code."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(target_dir)
+    config = AutoConfig.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     norm = family_for_config(config).final_norm(model)
     prefix = next(name for name, module in model.named_modules() if module is norm)
     wanted = {f"{prefix}.{name}": name for name, _ in norm.named_parameters()}
@@ -155,12 +156,14 @@ def extract_through_server(
     max_length: int,
     dtype: torch.dtype,
     concurrency: int,
+    trust_remote_code: bool = False,
 ) -> EngineExtractionResult:
-    """Hidden-state shards of `conversations` from a server started with `engine.extraction_args`."""
+    """Hidden-state shards of `conversations` from a server started with `engine.extraction_args`;
+    `trust_remote_code`: the tokenizer and final norm may come from the target folder's own code."""
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     result = EngineExtractionResult()
     kept: list[tuple[dict[str, Any], list[int], list[int]]] = []
     for row in conversations:
@@ -169,7 +172,7 @@ def extract_through_server(
             result.skipped.append({"id": row["id"], "reason": "no assistant tokens within data.max_length"})
             continue
         kept.append((row, ids, mask))
-    final_norm = load_final_norm(target_dir, dtype)
+    final_norm = load_final_norm(target_dir, dtype, trust_remote_code=trust_remote_code)
     replies = asyncio.run(_request_all(engine, base_url, model, [ids for _, ids, _ in kept], concurrency))
     metadata = shard_metadata(
         aux_layer_ids,
@@ -241,6 +244,7 @@ def extract_with_engine(
             max_length=int(config.data.max_length),
             dtype=getattr(torch, str(config.extraction.dtype)),
             concurrency=engine.settings.max_num_seqs,
+            trust_remote_code=bool(config.target.trust_remote_code),
         )
     finally:
         server.stop()

@@ -67,7 +67,7 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _load_target(path: Path) -> tuple[Any, Any]:
+def _load_target(path: Path, *, trust_remote_code: bool = False) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -77,8 +77,10 @@ def _load_target(path: Path) -> tuple[Any, Any]:
         raise _fail(f"--target: {path} is not a Hugging Face model folder (no config.json)")
     try:
         check_target_weights(path)  # a missing or truncated weights file, named (DrafterFormatError)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as error:
         raise _fail(f"--target: cannot load {path}: {error}") from None
     return model.eval(), tokenizer  # simulate_acceptance moves it to --device
@@ -148,6 +150,12 @@ def simulate(
         "layer_output, or the engine that reads them: vllm | sglang).",
     ),
     device: str = typer.Option("cpu", "--device", help="torch device (cpu, cuda, cuda:1, ...)."),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Run the Python code the --target folder ships (its own model and tokenizer classes); "
+        "only for a folder you trust.",
+    ),
 ) -> None:
     """Simulate greedy speculative decoding of TARGET with DRAFTER over PROMPTS; print vLLM's metrics."""
     from draftloop.infra.engines.base import convention_for
@@ -169,7 +177,7 @@ def simulate(
         draft_model = load_drafter(drafter, device=device, convention=convention)
     except DrafterFormatError as error:
         raise _fail(f"--drafter: {error}") from None
-    target_model, tokenizer = _load_target(target)
+    target_model, tokenizer = _load_target(target, trust_remote_code=trust_remote_code)
     try:
         draft_model.attach_embeddings(target_model.get_input_embeddings().weight)
     except ValueError as error:

@@ -167,6 +167,7 @@ def evaluate(
     run_simulator_if_missing: bool = True,
     start_server: StartServer | None = None,
     baseline: ServerRun | None = None,
+    trust_remote_code: bool = False,
 ) -> EvalReport:
     """Baseline vs speculative on `prompts`; writes eval_report.json and the plots under run_dir.
 
@@ -177,7 +178,8 @@ def evaluate(
     None (and `run_simulator_if_missing`), the simulator runs here, in the engine's numeric mode, along
     the speculative server's output. `start_server(name, drafter_dir, k)` returns a context manager
     yielding a running server (default: an EngineServer in this process). `baseline`: a ServerRun
-    measured before on the same prompts (skips the baseline server).
+    measured before on the same prompts (skips the baseline server). `trust_remote_code`: the simulator
+    and the prompts' tokenizer run the Python code the target folder ships.
     """
     target_dir = Path(target_dir).resolve()
     drafter_dir = Path(drafter_dir).resolve()
@@ -199,7 +201,7 @@ def evaluate(
     contract_warnings = check_drafter_pairing(target_dir, drafter_dir, ServingContract.from_engine(engine))
     engine.check_python()
     start = start_server or _default_start_server(engine, target_dir, run_dir)
-    prompt_ids = encode_prompts(target_dir, prompts)
+    prompt_ids = encode_prompts(target_dir, prompts, trust_remote_code=trust_remote_code)
     levels = [int(c) for c in concurrency]
 
     if baseline is None:
@@ -215,7 +217,7 @@ def evaluate(
         prediction = run_simulator(
             target_dir, drafter_dir, prompts, max(ks), max_tokens, mode=simulator_mode,
             follow_token_ids=follow if len(follow) == len(prompts) and all(follow) else None,
-            engine_outputs=baseline.outputs,
+            engine_outputs=baseline.outputs, trust_remote_code=trust_remote_code,
         )  # fmt: skip
 
     layer_id_mismatch = exported_layer_id_mismatch(engine, drafter_dir)
@@ -250,6 +252,7 @@ def evaluate(
             mode=simulator_mode,
             follow_token_ids=follow if replay else None,
             engine_outputs=speculative.outputs,
+            trust_remote_code=trust_remote_code,
         )
 
     mismatched, numeric_ties = compare_outputs(baseline, speculative)
@@ -375,8 +378,8 @@ def evaluate_from_config(
     run_dir: Path,
     **kwargs: Any,
 ) -> EvalReport:
-    """`evaluate` with the `evaluation` and `engine` sections of an ExperimentConfig (the engine was built
-    from the same engine section: its numeric mode is the simulator's)."""
+    """`evaluate` with the `evaluation`, `engine` and `target` sections of an ExperimentConfig (the engine
+    was built from the same engine section: its numeric mode is the simulator's)."""
     evaluation = config.evaluation
     return evaluate(
         engine,
@@ -392,5 +395,6 @@ def evaluate_from_config(
         min_acceptance_length=evaluation.gate.min_acceptance_length,
         speedup_bound_tolerance=float(evaluation.speedup_bound_tolerance),
         throughput_consistency_factor=float(evaluation.throughput_consistency_factor),
+        trust_remote_code=bool(config.target.trust_remote_code),
         **kwargs,
     )

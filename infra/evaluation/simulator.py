@@ -213,11 +213,13 @@ def run_simulator(
     mode: NumericMode,
     follow_token_ids: Sequence[Sequence[int]] | None = None,
     engine_outputs: Sequence[str] | None = None,
+    trust_remote_code: bool = False,
 ) -> SimulatorFigures:
     """Run kernels' simulator in `mode` with the drafter as saved (the ids it was trained on).
 
     `follow_token_ids` (per prompt, the speculative server's output): replay along them. Otherwise free
     running; `engine_outputs` (the server's texts) then mark the prompts whose texts differ as divergent.
+    `trust_remote_code`: run the Python code the target folder ships (target.trust_remote_code).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -225,8 +227,10 @@ def run_simulator(
     from draftloop.kernels.simulate import simulate_acceptance
 
     dtype = _torch_dtype(mode.dtype)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=dtype, trust_remote_code=trust_remote_code
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     drafter = load_drafter(drafter_dir, dtype=dtype)
     embed, _head, _norm = load_target_head(target_dir)
     drafter.attach_embeddings(embed.to(dtype))
@@ -258,11 +262,13 @@ def run_simulator(
     return SimulatorFigures.from_report(report, method, recorded, figures)
 
 
-def encode_prompts(target_dir: Path, prompts: Sequence[str]) -> list[list[int]]:
+def encode_prompts(
+    target_dir: Path, prompts: Sequence[str], *, trust_remote_code: bool = False
+) -> list[list[int]]:
     """The prompts as token ids, chat template applied, exactly as the simulator encodes them."""
     from transformers import AutoTokenizer
 
     from draftloop.kernels.simulate import encode_prompt
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     return [encode_prompt(tokenizer, prompt) for prompt in prompts]
