@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -20,7 +21,14 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftloop.infra.conversations import SynthesisResult, first_turns, iter_conversations, split_reasoning
+from draftloop.infra.conversations import (
+    SynthesisResult,
+    first_turns,
+    iter_conversations,
+    prompt_too_long,
+    split_reasoning,
+    templated_prompt,
+)
 from draftloop.infra.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
@@ -165,24 +173,20 @@ class TargetGenerator:
         batch_size: int,
     ) -> SynthesisResult:
         """Answer `rows` ({"id", "prompt"}); rows that cannot be answered come back in `rejected`."""
+        started = time.perf_counter()
         result = SynthesisResult()
         usable: list[tuple[dict[str, str], str, int]] = []
         for row in rows:
-            messages = first_turns(row)
             try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
+                text, prompt_tokens = templated_prompt(self.tokenizer, first_turns(row))
             except Exception as error:  # a template that refuses the message (e.g. roles)
                 result.reject(row["id"], f"chat template failed: {error}")
                 continue
-            prompt_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            if prompt_tokens >= max_length - 1:
-                result.reject(
-                    row["id"], f"prompt has {prompt_tokens} tokens, data.max_length is {max_length}"
-                )
+            too_long = prompt_too_long(prompt_tokens, max_length)
+            if too_long is not None:
+                result.reject(row["id"], too_long)
                 continue
-            usable.append((row, str(text), prompt_tokens))
+            usable.append((row, text, prompt_tokens))
         eos_ids = self._eos_ids()
         for start in range(0, len(usable), max(1, batch_size)):
             batch = usable[start : start + batch_size]
@@ -215,6 +219,7 @@ class TargetGenerator:
                 result.generated_tokens += len(kept)
                 answer = str(self.tokenizer.decode(kept, skip_special_tokens=True))
                 result.add_answer(row, *split_reasoning(answer))
+        result.seconds = time.perf_counter() - started
         return result
 
     def _eos_ids(self) -> set[int]:

@@ -35,6 +35,20 @@ def split_reasoning(text: str) -> tuple[str, str | None]:
     return content, reasoning or None
 
 
+def templated_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, int]:
+    """(text, tokens) of `messages` through the target's chat template, ready for the answer; raises
+    what the template raises (e.g. a role it refuses)."""
+    text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return text, len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_too_long(prompt_tokens: int, max_length: int) -> str | None:
+    """Why a prompt is refused for training samples of `max_length` tokens (no room for an answer)."""
+    if prompt_tokens >= max_length - 1:
+        return f"prompt has {prompt_tokens} tokens, data.max_length is {max_length}"
+    return None
+
+
 @dataclass
 class SynthesisResult:
     """Answered conversations, rejected prompts with their reason, and the tokens generated."""
@@ -42,6 +56,7 @@ class SynthesisResult:
     conversations: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
     generated_tokens: int = 0
+    seconds: float = 0.0  # generating only: loading the target or starting its server is not counted
 
     def reject(self, row_id: str, reason: str) -> None:
         self.rejected.append({"id": row_id, "reason": reason})

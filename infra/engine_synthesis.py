@@ -14,6 +14,7 @@ separates (`reasoning_content` / `reasoning`) is kept apart from the answer; wit
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -160,11 +161,13 @@ async def regenerate_conversations(
     limit = asyncio.Semaphore(max(1, policy.concurrency))
     result = SynthesisResult()
     outcomes: list[tuple[list[Message], int] | BaseException] = []
+    started = time.perf_counter()
     async with httpx.AsyncClient(transport=transport, timeout=policy.timeout_s, headers=headers) as client:
         outcomes = await asyncio.gather(
             *(_regenerate_row(client, url, model, row, sampling, policy, limit) for row in rows),
             return_exceptions=True,
         )
+    result.seconds = time.perf_counter() - started
     for row, outcome in zip(rows, outcomes, strict=True):
         row_id = str(row["id"])
         if isinstance(outcome, RequestFailed):

@@ -21,11 +21,13 @@ from draftloop.infra.conversations import (
     EVAL_PROMPTS_SHARD,
     REJECTED_SHARD,
     SynthesisResult,
+    prompt_too_long,
+    templated_prompt,
     to_jsonl,
 )
 from draftloop.infra.datasets import input_fingerprint, read_input_from_config
 from draftloop.infra.engine_actors import start_server_actor
-from draftloop.infra.engine_synthesis import regenerate_from_config, synthesis_engine
+from draftloop.infra.engine_synthesis import input_messages, regenerate_from_config, synthesis_engine
 from draftloop.infra.processes import PidRecord, state_dir
 from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
 from draftloop.infra.targets import ensure_target, target_fingerprint
@@ -74,17 +76,48 @@ def _generate_in_process(
         kill_actors([actor])
 
 
+def _refuse_overlong_prompts(
+    config: ExperimentConfig, target_path: str, prompts: list[PromptRow]
+) -> tuple[list[PromptRow], list[dict[str, str]]]:
+    """(prompts to send, rejected rows): each row's input turns through the target's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=config.target.trust_remote_code)
+    kept: list[PromptRow] = []
+    refused: list[dict[str, str]] = []
+    for row in prompts:
+        try:
+            _, tokens = templated_prompt(tokenizer, input_messages(row))
+        except Exception as error:  # a template that refuses the turns (e.g. roles)
+            refused.append({"id": str(row["id"]), "reason": f"chat template failed: {error}"})
+            continue
+        too_long = prompt_too_long(tokens, int(config.data.max_length))
+        if too_long is not None:
+            refused.append({"id": str(row["id"]), "reason": too_long})
+        else:
+            kept.append(row)
+    return kept, refused
+
+
 def _generate_with_engine(
     config: ExperimentConfig, target_path: str, prompts: list[PromptRow], pids: PidRecord | None
 ) -> SynthesisResult:
-    """Start the engine (no speculation) in a Ray actor, regenerate the conversations over HTTP, stop it."""
+    """Start the engine (no speculation) in a Ray actor, regenerate the conversations over HTTP, stop it.
+
+    The over-length policy is the in-process path's: a prompt with no room for an answer within
+    `data.max_length` tokens is rejected with its length, before any request is sent."""
+    prompts, refused = _refuse_overlong_prompts(config, target_path, prompts)
+    if not prompts:
+        return SynthesisResult(rejected=refused)
     ensure_ray(config.ray.address)
     run_dir = state_dir() / "work" / str(config.name) / "synthesize-engine"
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = synthesis_engine(config)
     server = start_server_actor(engine, target_path, run_dir, "synthesis", pids=pids)
     try:
-        return regenerate_from_config(config, server.base_url, server.model_name, prompts)
+        result = regenerate_from_config(config, server.base_url, server.model_name, prompts)
+        result.rejected[:0] = refused
+        return result
     finally:
         server.stop()
         if pids is not None:
@@ -122,6 +155,7 @@ def run(
         # input rows set aside (file, line, reason) and prompts the target could not answer
         rejected: list[dict[str, Any]] = [*input_data.rejected, *result.rejected]
         writer.write_shard(REJECTED_SHARD, to_jsonl(rejected), rows=len(rejected))
+        generating = result.seconds
         reasons: dict[str, int] = {}
         for row in result.rejected:
             kind = row["reason"].split(":")[0]  # "generation failed: <detail>" -> "generation failed"
@@ -138,8 +172,11 @@ def run(
             "with_reasoning": sum(1 for row in rows if row.get("reasoning")),
             "generated_tokens": result.generated_tokens,
             "seconds": round(seconds, 3),
-            "rows_per_s": round(len(rows) / seconds, 3) if seconds > 0 else None,
-            "tokens_per_s": round(result.generated_tokens / seconds, 3) if seconds > 0 else None,
+            # rates over the generation alone: loading the target or starting its server is start-up
+            "startup_seconds": round(max(0.0, seconds - generating), 3),
+            "generation_seconds": round(generating, 3),
+            "rows_per_s": round(len(rows) / generating, 3) if generating > 0 else None,
+            "tokens_per_s": round(result.generated_tokens / generating, 3) if generating > 0 else None,
         }
         return writer.commit("synthesize", inputs=work.inputs, summary=summary)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -310,7 +311,8 @@ def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
     )
 
     def answer_all(_config: Any, _target: str, prompts: list[dict[str, Any]]) -> SynthesisResult:
-        result = SynthesisResult()
+        time.sleep(0.5)  # loading the target: start-up, not generation
+        result = SynthesisResult(seconds=0.25)
         for prompt in prompts:
             result.add_answer(prompt, f"answer to {prompt['id']}", None)
         return result
@@ -320,6 +322,9 @@ def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
     manifest = synthesize.run(config).manifest
     assert manifest.summary["input_rows"] == 21 and manifest.summary["input_rejected"] == 1
     assert manifest.summary["input_formats"] == ["prompt"] and manifest.summary["rows"] == 16
+    # rates over the generation alone (16 rows in 0.25 s), the rest of the stage's time is start-up
+    assert manifest.summary["rows_per_s"] == 64.0 and manifest.summary["generation_seconds"] == 0.25
+    assert manifest.summary["startup_seconds"] >= 0.25
     assert [c["id"] for c in read_conversations(manifest)] == [f"g{i}" for i in range(16)]
     rejected = [json.loads(line) for line in read_shard(manifest, REJECTED_SHARD).decode().splitlines()]
     assert rejected == [

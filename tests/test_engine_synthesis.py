@@ -317,3 +317,25 @@ def test_multi_turn_regeneration_on_vllm_with_reasoning_parser(thinking_server: 
             if message["role"] == "assistant":
                 assert message.get("reasoning") and "think>" not in message["content"]
     assert result.generated_tokens > 0
+
+
+def test_engine_path_refuses_over_long_prompts_before_any_request(tmp_path: Path) -> None:
+    from draftloop.infra.zoo import create_tiny_model
+    from draftloop.tasks import synthesize
+
+    target = tmp_path / "tiny-llama"
+    create_tiny_model("tiny-llama", target, seed=0)
+    config = ExperimentConfig.load(
+        REPO_ROOT / "configs" / "tiny-llama.yaml",
+        {"target.path": str(target), "data.max_length": 24, "synthesis.backend": "engine"},
+        check_environment=False,
+    )
+    short = {"id": "short", "prompt": "Hi."}
+    long = {"id": "long", "prompt": " ".join(["word"] * 60)}
+    kept, refused = synthesize._refuse_overlong_prompts(config, str(target), [short, long])
+    assert kept == [short]
+    assert [row["id"] for row in refused] == ["long"]
+    assert "tokens, data.max_length is 24" in refused[0]["reason"]
+    # nothing left to send: no server is started, the refusal is the result
+    result = synthesize._generate_with_engine(config, str(target), [long], pids=None)
+    assert result.conversations == [] and [row["id"] for row in result.rejected] == ["long"]
