@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -472,6 +473,11 @@ class ExperimentConfig(_Section):
     def source(self) -> str | None:
         """The file the config was loaded from, if any."""
         return self._source
+
+    def engine_settings(self) -> EngineSettings:
+        """The engine section as the engine modules take it, with the target's trust_remote_code (the
+        server loads the target too)."""
+        return replace(self.engine.settings(), trust_remote_code=self.target.trust_remote_code)
 
     def target_family(self) -> TargetFamily:
         """The target's family (kernels/families/), by the model_type of its config.json or zoo recipe."""

@@ -229,7 +229,7 @@ def extract_with_engine(
     shutil.rmtree(hidden_dir, ignore_errors=True)  # files a killed earlier attempt left
     hidden_dir.mkdir(parents=True)
     aux = config.aux_layer_ids_internal()
-    base = get_engine(config.engine.kind, config.engine.settings())
+    base = get_engine(config.engine.kind, config.engine_settings())
     engine = extraction_engine(base, aux, target_depth(Path(target_path)), hidden_dir)
     server = start_server_actor(engine, target_path, run_dir, "extraction", pids=pids)
     try:

@@ -200,13 +200,13 @@ def regenerate_from_config(
             temperature=float(section.temperature),
             policy=policy,
             extra_body=dict(section.extra_body),
-            headers=get_engine(config.engine.kind, config.engine.settings()).request_headers(),
+            headers=get_engine(config.engine.kind, config.engine_settings()).request_headers(),
         )
     )
 
 
 def synthesis_engine(config: ExperimentConfig) -> Engine:
     """The configured engine, its server started with the synthesis reasoning parser (if any)."""
-    engine = get_engine(config.engine.kind, config.engine.settings())
+    engine = get_engine(config.engine.kind, config.engine_settings())
     extra = engine.synthesis_args(config.synthesis.reasoning_parser)
     return type(engine)(replace(engine.settings, extra_args=(*engine.settings.extra_args, *extra)))

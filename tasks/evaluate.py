@@ -127,7 +127,7 @@ def run(
         rows = read_eval_prompts(conversations.manifest, options)
         prompts = [row["prompt"] for row in rows]
         categories = [row.get("category") or "uncategorized" for row in rows]
-        engine = get_engine(config.engine.kind, config.engine.settings())
+        engine = get_engine(config.engine.kind, config.engine_settings())
         ensure_ray(config.ray.address)
         start_server = server_starter(engine, target_path, run_dir, pids)
         try:

@@ -32,7 +32,7 @@ REGISTRATION_SHARD = "registration.json"
 def serving_command(config: ExperimentConfig, drafter_source: str, recommended_k: int | None) -> str:
     """The command serving the target with the registered drafter at the evaluation's recommended k
     (the engine's own k when none was recommended), in the config's engine."""
-    engine = get_engine(config.engine.kind, config.engine.settings())
+    engine = get_engine(config.engine.kind, config.engine_settings())
     k = int(recommended_k or config.engine.num_speculative_tokens)
     target = Path(config.target.path)
     target_arg = str(target.resolve()) if target.exists() else str(target)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from fake_engine import fake_engine
 from fixtures_engine import (
+    REPO_ROOT,
     SGLANG_CHAT_RESPONSE_NEWER,
     SGLANG_GENERATE_RESPONSE,
     SGLANG_METRICS,
@@ -115,6 +116,29 @@ def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
     assert "--enable-metrics" in argv and value("--host") == "127.0.0.1"
     baseline = engine.server_command(ServerSpec(Path("/m"), 30000))
     assert "--speculative-algorithm" not in baseline
+
+
+def test_target_trust_remote_code_reaches_both_servers_and_the_serving_command(tmp_path: Path) -> None:
+    from draftloop.infra.config import ExperimentConfig
+
+    def config(trust: bool, kind: str) -> Any:
+        overrides = {
+            "target.trust_remote_code": trust,
+            "engine.kind": kind,
+            "target.path": str(tmp_path / "t"),
+        }
+        return ExperimentConfig.load(
+            REPO_ROOT / "configs" / "tiny-llama.yaml", overrides, check_environment=False
+        )
+
+    for kind in ("vllm", "sglang"):
+        trusted = get_engine(kind, config(True, kind).engine_settings())
+        plain = get_engine(kind, config(False, kind).engine_settings())
+        spec = ServerSpec(Path("/m"), 8123, drafter_dir=Path("/d"))
+        assert "--trust-remote-code" in trusted.server_command(spec), kind
+        assert "--trust-remote-code" in trusted.user_serving_command("/m", "/d", 3), kind
+        assert "--trust-remote-code" not in plain.server_command(spec), kind
+        assert "--trust-remote-code" not in plain.user_serving_command("/m", "/d", 3), kind
 
 
 def test_export_uses_each_engines_layer_id_convention(tmp_path: Path) -> None:

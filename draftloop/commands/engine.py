@@ -30,7 +30,7 @@ def doctor(
     target_dir = target
     if config is not None:
         loaded = load_config_or_exit(config)
-        settings = loaded.engine.settings()
+        settings = loaded.engine_settings()
         if target_dir is None:
             target_dir = Path(loaded.target.path)
     if kind is not None:

@@ -113,6 +113,7 @@ class EngineSettings:
     kv_cache_space_gib: int = 1
     host: str = "127.0.0.1"  # the address servers bind; beyond loopback they require `api_key`
     api_key: str | None = None
+    trust_remote_code: bool = False  # the server runs the target folder's own code (target.trust_remote_code)
 
 
 @dataclass(frozen=True)

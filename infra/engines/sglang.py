@@ -56,6 +56,8 @@ class SglangEngine(Engine):
         argv += ["--context-length", str(s.max_model_len), "--max-running-requests", str(s.max_num_seqs)]
         if s.enforce_eager:
             argv.append("--disable-cuda-graph")
+        if s.trust_remote_code:
+            argv.append("--trust-remote-code")
         if spec.drafter_dir is not None:
             steps = int(spec.num_speculative_tokens or s.num_speculative_tokens)
             argv += [
@@ -77,6 +79,8 @@ class SglangEngine(Engine):
     def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
         k = num_speculative_tokens
         argv = ["python", "-m", "sglang.launch_server", "--model-path", target]
+        if self.settings.trust_remote_code:
+            argv.append("--trust-remote-code")
         argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter]
         argv += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1"]
         argv += ["--speculative-num-draft-tokens", str(k + 1)]  # the verified root counts: k + 1

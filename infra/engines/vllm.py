@@ -114,6 +114,8 @@ class VllmEngine(Engine):
         argv += ["--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs)]
         if s.enforce_eager:
             argv.append("--enforce-eager")
+        if s.trust_remote_code:
+            argv.append("--trust-remote-code")
         if s.num_gpus <= 0:
             # One CPU worker: run it inside the engine-core process (one Python process fewer to start).
             argv += ["--distributed-executor-backend", "uni"]
@@ -129,7 +131,8 @@ class VllmEngine(Engine):
 
     def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
         speculative = {"method": "eagle3", "model": drafter, "num_speculative_tokens": num_speculative_tokens}
-        return shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(speculative)])
+        trust = ["--trust-remote-code"] if self.settings.trust_remote_code else []
+        return shlex.join(["vllm", "serve", target, *trust, "--speculative-config", json.dumps(speculative)])
 
     def doctor_command(self, target_dir: Path, drafter_dir: Path | None) -> list[str]:
         # Shipped with draftloop's plugin in the engine environment; it imports vLLM only.
