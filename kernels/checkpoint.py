@@ -385,8 +385,25 @@ def _normalize_weight_name(name: str) -> str:
     return name
 
 
+# speculators eagle3 variants our drafter layer does not compute: loading them would be silently wrong.
+_SPECULATORS_UNSUPPORTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
 def _config_from_native(data: dict[str, Any], path: Path, convention: str | None) -> DrafterConfig:
-    """The config of a published drafter (no draftloop block): its model config plus the aux ids."""
+    """The config of a published drafter (no draftloop config block): its model config plus the aux ids.
+
+    The speculators format nests the layer's model config under ``transformer_layer_config``, and its ids
+    are in layer_input convention (its training data comes from vLLM, which reads them so)."""
+    if data.get("speculators_model_type") == "eagle3":
+        variants = [flag for flag in _SPECULATORS_UNSUPPORTED if data.get(flag)]
+        if variants:
+            raise DrafterFormatError(f"{path}: speculators eagle3 variant {variants} is not supported")
+        layer = data.get("transformer_layer_config")
+        if not isinstance(layer, Mapping):
+            raise DrafterFormatError(f"{path}: speculators config without a transformer_layer_config")
+        shared = ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size")
+        data = {**layer, **{key: data[key] for key in shared if data.get(key) is not None}}
+        convention = convention or "layer_input"
     ids = data.get("eagle_aux_hidden_state_layer_ids")
     eagle_config = data.get("eagle_config")
     if ids is None and isinstance(eagle_config, Mapping):

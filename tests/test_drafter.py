@@ -353,6 +353,22 @@ def test_export_speculators_format(tmp_path: Path) -> None:
     assert config["transformer_layer_config"]["model_type"] == "llama"
     with pytest.raises(ValueError, match="MLA"):
         export_speculators(make_drafter("mla"), tmp_path / "x", str(tmp_path / "target"))
+
+    # Read back by draftloop itself (simulate or evaluate a speculators-format drafter): same logits.
+    loaded = load_drafter(out).eval()
+    assert loaded.config.aux_layer_ids == LayerIds((1, 3, 5)) and loaded.config.draft_vocab_size == 20
+    loaded.attach_embeddings(drafter.embed_weight)
+    aux, ids, positions = inputs()
+    with torch.no_grad():
+        want = drafter.logits(drafter(drafter.fuse(aux), ids, positions)[0])
+        got = loaded.logits(loaded(loaded.fuse(aux), ids, positions)[0])
+    assert torch.equal(want, got)
+    # a variant our layer does not compute is refused, naming it
+    variant = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**variant, "norm_before_residual": True, "draftloop": {}}))
+    with pytest.raises(DrafterFormatError, match="norm_before_residual"):
+        load_drafter(out)
+    (out / "config.json").write_text(json.dumps(variant))
     if not _speculators_available():
         pytest.skip(
             "speculators is not importable here (DESIGN.md, kernels API: PYTHONPATH to a --no-deps install)"
