@@ -80,17 +80,12 @@ def experiment_config(workdir: Path, samples: int, epochs: int, seed: int = 0) -
 
 def synthesize_and_extract(config: Any) -> tuple[Any, Any]:
     """(conversations, hidden states): the product's synthesize and extract stages (cached in storage)."""
-    from draftloop.infra.actors import ensure_ray, shutdown_ray
+    from bench_scale import start_ray
+
+    from draftloop.infra.actors import shutdown_ray
     from draftloop.tasks import extract, synthesize
 
-    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to start: too short on a loaded machine
-        try:
-            ensure_ray(config.ray.address)
-            break
-        except Exception:
-            shutdown_ray()
-            if attempt == 2:
-                raise
+    start_ray(config.ray.address)
     try:
         conversations = synthesize.run(config)
         rows = conversations.manifest.summary.get("rows")

@@ -189,21 +189,29 @@ def _synthetic_conversations(config: Any, samples: int) -> Any:
     return StageOutcome("synthesize", f"synthetic-{samples}", uri, manifest, cache_hit=False, seconds=0.0)
 
 
-def run_stage(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
-    """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train)."""
+def start_ray(address: str | None) -> None:
+    """`ensure_ray`, tried three times: Ray gives its raylet a fixed 30 s to start, too short on a loaded
+    machine."""
     from draftloop.infra.actors import ensure_ray, shutdown_ray
-    from draftloop.tasks import extract, train
 
-    config = _config(workdir, samples)
-    conversations = _synthetic_conversations(config, samples)
-    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to start: too short on a loaded machine
+    for attempt in range(3):
         try:
-            ensure_ray(config.ray.address)
-            break
+            ensure_ray(address)
+            return
         except Exception:
             shutdown_ray()
             if attempt == 2:
                 raise
+
+
+def run_stage(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
+    """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train)."""
+    from draftloop.infra.actors import shutdown_ray
+    from draftloop.tasks import extract, train
+
+    config = _config(workdir, samples)
+    conversations = _synthetic_conversations(config, samples)
+    start_ray(config.ray.address)
     started = time.perf_counter()
     hidden = extract.run(config, conversations)
     if stage == "extract":

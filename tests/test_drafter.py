@@ -90,6 +90,16 @@ def make_drafter(kind: str, draft_vocab: int | None = None, seed: int = 0) -> Ea
     return drafter.eval()
 
 
+def assert_same_logits(drafter: Eagle3Drafter, loaded: Eagle3Drafter) -> None:
+    """`loaded` (given the drafter's embeddings) computes exactly the drafter's logits."""
+    loaded.attach_embeddings(drafter.embed_weight)
+    aux, ids, positions = inputs()
+    with torch.no_grad():
+        want = drafter.logits(drafter(drafter.fuse(aux), ids, positions)[0])
+        got = loaded.logits(loaded(loaded.fuse(aux), ids, positions)[0])
+    assert torch.equal(want, got)
+
+
 def inputs(batch: int = 2, length: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     aux = torch.randn(batch, length, 3 * HIDDEN, generator=gen)
@@ -238,12 +248,7 @@ def test_save_load_identical_logits(kind: str, convention: Convention, tmp_path:
     loaded = load_drafter(out).eval()
     assert loaded.config.aux_layer_ids == LayerIds((1, 3, 5))
     assert loaded.embed_weight is None
-    loaded.attach_embeddings(drafter.embed_weight)
-    aux, ids, positions = inputs()
-    with torch.no_grad():
-        want = drafter.logits(drafter(drafter.fuse(aux), ids, positions)[0])
-        got = loaded.logits(loaded(loaded.fuse(aux), ids, positions)[0])
-    assert torch.equal(want, got)
+    assert_same_logits(drafter, loaded)
     assert torch.equal(loaded.to_target_ids(torch.arange(20)), torch.arange(VOCAB - 20, VOCAB))
 
 
@@ -357,12 +362,7 @@ def test_export_speculators_format(tmp_path: Path) -> None:
     # Read back by draftloop itself (simulate or evaluate a speculators-format drafter): same logits.
     loaded = load_drafter(out).eval()
     assert loaded.config.aux_layer_ids == LayerIds((1, 3, 5)) and loaded.config.draft_vocab_size == 20
-    loaded.attach_embeddings(drafter.embed_weight)
-    aux, ids, positions = inputs()
-    with torch.no_grad():
-        want = drafter.logits(drafter(drafter.fuse(aux), ids, positions)[0])
-        got = loaded.logits(loaded(loaded.fuse(aux), ids, positions)[0])
-    assert torch.equal(want, got)
+    assert_same_logits(drafter, loaded)
     # a variant our layer does not compute is refused, naming it
     variant = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**variant, "norm_before_residual": True, "draftloop": {}}))
