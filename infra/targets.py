@@ -32,5 +32,6 @@ def target_fingerprint(config: ExperimentConfig) -> str:
     for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
         name = path.relative_to(folder)
         if path.is_file() and not any(part.startswith(".") for part in name.parts):  # not .cache/ etc.
-            identity.append([str(name), path.stat().st_size, path.stat().st_mtime_ns])
+            stat = path.stat()
+            identity.append([str(name), stat.st_size, stat.st_mtime_ns])
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
