@@ -91,27 +91,66 @@ def write_bytes_atomic(uri: str, data: bytes, options: StorageOptions | None = N
     write_chunks_atomic(uri, [data], options)
 
 
+# Below this many bytes a hashing thread costs more than it saves.
+_BACKGROUND_HASH_BYTES = 8 << 20
+
+
+class _Sha256Beside:
+    """sha256 of ``chunks``, computed on its own thread while the caller writes the same chunks.
+
+    hashlib and file writes both release the GIL on large buffers, so a shard takes max(hash, write)
+    instead of their sum. That is the latency of the last shard of an extraction, which nothing else
+    overlaps (issue: the pipeline's drain).
+    """
+
+    def __init__(self, chunks: list[bytes | memoryview]) -> None:
+        self._digest = hashlib.sha256()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if sum(memoryview(chunk).nbytes for chunk in chunks) < _BACKGROUND_HASH_BYTES:
+            self._hash(chunks)
+        else:
+            self._thread = threading.Thread(target=self._hash, args=(chunks,), name="sha256", daemon=True)
+            self._thread.start()
+
+    def _hash(self, chunks: list[bytes | memoryview]) -> None:
+        try:
+            for chunk in chunks:
+                self._digest.update(chunk)
+        except BaseException as error:  # re-raised in the caller's thread by hexdigest()
+            self._error = error
+
+    def hexdigest(self) -> str:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._digest.hexdigest()
+
+
 def write_chunks_atomic(
     uri: str, chunks: Iterable[bytes | memoryview], options: StorageOptions | None = None, fsync: bool = True
 ) -> tuple[str, int]:
-    """Stream ``chunks`` into one object atomically (as :func:`write_bytes_atomic`), hashing on the way.
+    """Stream ``chunks`` into one object atomically (as :func:`write_bytes_atomic`), hashing beside it.
 
     Returns (sha256 hex, size). Large zero-copy chunks (memoryviews of pinned host tensors) go to the
-    file and the hash with the GIL released, so a writer thread overlaps with the caller's compute.
-    ``fsync=False`` leaves durability to the page cache (the rename is still atomic for readers).
+    file and the hash with the GIL released, so a writer thread overlaps with the caller's compute and
+    the hash with the write. ``fsync=False`` leaves durability to the page cache (the rename is still
+    atomic for readers).
     """
-    digest = hashlib.sha256()
-    size = 0
+    parts = list(chunks)
+    size = sum(memoryview(chunk).nbytes for chunk in parts)
     if is_local(uri):
         path = _local_path(uri)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+        digest = _Sha256Beside(parts)
+        written = 0
         try:
             with open(tmp, "wb") as handle:
-                for chunk in chunks:
+                for chunk in parts:
                     handle.write(chunk)
-                    digest.update(chunk)
-                    size += memoryview(chunk).nbytes
+                    written += memoryview(chunk).nbytes
                 handle.flush()
                 if fsync:
                     os.fsync(handle.fileno())
@@ -120,15 +159,16 @@ def write_chunks_atomic(
             if error.filename is not None:
                 raise
             # A failed write (ENOSPC, EIO) names no file by itself: say which one, and how far it got.
-            raise OSError(error.errno, f"{error.strerror} after {size} bytes", str(path)) from error
+            raise OSError(error.errno, f"{error.strerror} after {written} bytes", str(path)) from error
         finally:
             tmp.unlink(missing_ok=True)
-        return digest.hexdigest(), size
+            sha256 = digest.hexdigest()  # joins the hashing thread on every path
+        return sha256, size
     fs, path_in_fs = filesystem(uri, options)
-    parts = list(chunks)
-    data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(bytes(p) for p in parts)
+    data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+    digest = _Sha256Beside([data])
     fs.pipe_file(path_in_fs, data)
-    return hashlib.sha256(data).hexdigest(), len(data)
+    return digest.hexdigest(), size
 
 
 def write_text_atomic(uri: str, text: str, options: StorageOptions | None = None) -> None:

@@ -203,3 +203,34 @@ def test_s3_round_trip_integrity_and_crash(
     clean = _write_dataset("s3://draftloop-test/runs/clean", options)
     back = storage.download_shards(clean, tmp_path / "back", sorted(SHARDS), options)
     assert all((back / name).read_bytes() == data for name, data in SHARDS.items())
+
+
+def test_large_chunks_hash_beside_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards above the threshold are hashed on a second thread: same digest and bytes as in line, and
+    the hashing thread is joined before the writer returns (also when the write fails)."""
+    chunks = [memoryview(os.urandom(storage._BACKGROUND_HASH_BYTES)), b"tail", memoryview(os.urandom(999))]
+    whole = b"".join(chunks)
+    threads: list[str] = []
+    real_hash = storage._Sha256Beside._hash
+
+    def recording_hash(self: storage._Sha256Beside, parts: list) -> None:
+        import threading
+
+        threads.append(threading.current_thread().name)
+        real_hash(self, parts)
+
+    monkeypatch.setattr(storage._Sha256Beside, "_hash", recording_hash)
+    sha256, size = storage.write_chunks_atomic(str(tmp_path / "big.bin"), chunks, fsync=False)
+    assert (sha256, size) == (hashlib.sha256(whole).hexdigest(), len(whole))
+    assert (tmp_path / "big.bin").read_bytes() == whole
+    small_sha, _ = storage.write_chunks_atomic(str(tmp_path / "small.bin"), [b"abc"], fsync=False)
+    assert small_sha == hashlib.sha256(b"abc").hexdigest()
+    assert threads == ["sha256", "MainThread"]  # the big shard on its own thread, the small one in line
+
+    def failing_write(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "replace", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        storage.write_chunks_atomic(str(tmp_path / "full.bin"), chunks, fsync=False)
+    assert not list(tmp_path.glob(".full.bin.tmp-*")) and not (tmp_path / "full.bin").exists()
