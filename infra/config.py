@@ -19,7 +19,7 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -114,6 +114,9 @@ class ExtractionConfig(_Section):
         return convention_for(value)
 
 
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class TrainingConfig(_Section):
     drafter_init: str | None = None
     draft_vocab_size: int | None = Field(default=None, ge=1)
@@ -129,6 +132,10 @@ class TrainingConfig(_Section):
     # Pack samples into rows of at most this many tokens (one row per micro-batch); null = one per row.
     pack_tokens: int | None = Field(default=None, ge=1)
     checkpoint_every_steps: int | None = Field(default=None, ge=1)  # null = after every epoch only
+    # false: the drafter's lm_head stays the target's (no gradient), as speculators trains it.
+    train_lm_head: bool = True
+    adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.95)
+    lr_schedule: Literal["cosine", "linear"] = "cosine"  # the decay to zero after the linear warm-up
     # Shards whose samples are shuffled together (held in memory); each worker trains the samples of its own
     # shards of a window, so keep it at least num_workers.
     shuffle_window_shards: int = Field(default=8, ge=1)

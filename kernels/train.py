@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 
+LR_SCHEDULES = ("cosine", "linear")
+
+
 @dataclass
 class TrainConfig:
     ttt_length: int = 7
@@ -73,8 +76,16 @@ class TrainConfig:
     pack_tokens: int | None = None
     # Hand a resume state to on_checkpoint every this many optimizer steps (and after every epoch).
     checkpoint_every_steps: int | None = None
+    # False: the drafter's lm_head keeps its initial weights (the target's rows when started from the
+    # target) and gets no gradient, as speculators trains; its weight gradient, [Vd, H] per position
+    # and TTT step, is then not computed.
+    train_lm_head: bool = True
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    # After the linear warm-up, the learning rate decays to zero: "cosine" or "linear".
+    lr_schedule: str = "cosine"
 
     def __post_init__(self) -> None:
+        self.adam_betas = (float(self.adam_betas[0]), float(self.adam_betas[1]))  # a JSON list too
         checks = {
             "ttt_length": self.ttt_length >= 1,
             "epochs": self.epochs >= 1,
@@ -85,6 +96,8 @@ class TrainConfig:
             "step_decay": 0 < self.step_decay <= 1,
             "pack_tokens": self.pack_tokens is None or self.pack_tokens >= 1,
             "checkpoint_every_steps": self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
+            "adam_betas": all(0 <= beta < 1 for beta in self.adam_betas),
+            "lr_schedule": self.lr_schedule in LR_SCHEDULES,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -260,19 +273,28 @@ def _sample_ttt_tokens(sample: Mapping[str, Tensor], ttt_length: int, max_length
 
 
 def make_optimizer(drafter: Eagle3Drafter, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the drafter's trainable parameters (the lm_head only with ``cfg.train_lm_head``)."""
+    drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.adam_betas)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float) -> Any:
-    """Linear warm-up to the base lr, then cosine decay to zero over ``total_steps`` optimizer steps."""
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, schedule: str = "cosine"
+) -> Any:
+    """Linear warm-up to the base lr, then ``schedule`` ("cosine" or "linear") decay to zero over
+    ``total_steps`` optimizer steps."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}: one of {LR_SCHEDULES}")
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
 
     def factor(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -461,13 +483,13 @@ def train_drafter(
         fixed_shape = (cfg.batch_size, cfg.pad_multiple)
     elif compiled and cfg.pack_tokens is not None:
         fixed_shape = (None, -(-cfg.pack_tokens // cfg.pad_multiple) * cfg.pad_multiple)
-    params = [p for p in drafter.parameters() if p.requires_grad]
     ttt = cfg.ttt_length
 
     steps_per_epoch = math.ceil(data.num_samples / cfg.samples_per_step)
     total_steps = steps_per_epoch * cfg.epochs
-    optimizer = make_optimizer(drafter, cfg)
-    scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio)
+    optimizer = make_optimizer(drafter, cfg)  # (freezes the lm_head unless cfg.train_lm_head)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.lr_schedule)
     # Data position: the next sample of epoch `epoch`'s global order (independent of the worker count).
     epoch, consumed, global_step = 0, 0, 0
     history: list[dict[str, Any]] = []

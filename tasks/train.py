@@ -84,6 +84,9 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
             "seed": int(section.seed),
             "pack_tokens": section.pack_tokens,
             "checkpoint_every_steps": section.checkpoint_every_steps,
+            "train_lm_head": bool(section.train_lm_head),
+            "adam_betas": list(section.adam_betas),
+            "lr_schedule": str(section.lr_schedule),
             "max_length": int(config.data.max_length),
             "show_progress": False,
             # training.compile: null = compile the TTT loss when training on GPUs (CUDA only in kernels).

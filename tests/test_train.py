@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from draftloop.kernels.train import (
     TrainConfig,
     collate_samples,
     draft_target_head,
+    make_optimizer,
     train_drafter,
     ttt_loss,
     ttt_metrics,
@@ -188,6 +190,65 @@ def test_training_learns_and_is_deterministic(target_and_samples, tmp_path: Path
         want = drafter.logits(drafter(drafter.fuse(batch["aux_hidden"]), batch["input_ids"], positions)[0])
         got = loaded.logits(loaded(loaded.fuse(batch["aux_hidden"]), batch["input_ids"], positions)[0])
     assert torch.equal(want, got)
+
+
+def test_frozen_lm_head_betas_and_linear_schedule(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+    model, samples = target_and_samples
+    cfg = TrainConfig(
+        ttt_length=2,
+        epochs=2,
+        batch_size=8,
+        lr=3e-3,
+        show_progress=False,
+        train_lm_head=False,
+        adam_betas=[0.9, 0.999],  # type: ignore[arg-type]  # as a JSON config hands it over
+        lr_schedule="linear",
+    )
+    assert cfg.adam_betas == (0.9, 0.999)
+    drafter = new_drafter(model)
+    drafter.init_from_target_head(model.lm_head.weight.detach())
+    before = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    result = train_drafter(drafter, samples, model.lm_head.weight.detach(), cfg)
+    after = drafter.state_dict()
+    assert torch.equal(after["lm_head.weight"], model.lm_head.weight.detach())  # frozen: the target's rows
+    assert drafter.lm_head.weight.grad is None
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])
+    assert not torch.equal(after["norm.weight"], before["norm.weight"])
+    # 4 steps, warm-up 1, then linear decay to zero (cosine would give 0.75 and 0.25 of the lr).
+    lrs = [h["lr"] for h in result.history]
+    assert lrs == pytest.approx([3e-3, 2e-3, 1e-3, 0.0], abs=1e-12)
+    optimizer = make_optimizer(drafter, cfg)
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(drafter.lm_head.weight) not in trained and id(drafter.fc.weight) in trained
+    unfrozen = make_optimizer(drafter, TrainConfig(train_lm_head=True, show_progress=False))
+    assert id(drafter.lm_head.weight) in {id(p) for p in unfrozen.param_groups[0]["params"]}
+    with pytest.raises(ValueError, match="lr_schedule"):
+        TrainConfig(lr_schedule="step")
+
+
+def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """training.train_lm_head / adam_betas / lr_schedule in a config reach the workers' TrainConfig."""
+    import yaml
+
+    from draftloop.infra.config import ConfigError, ExperimentConfig
+    from draftloop.tasks import train as train_task
+
+    raw = yaml.safe_load((Path(__file__).parent.parent / "configs" / "tiny-llama.yaml").read_text())
+    raw["training"].update(train_lm_head=False, adam_betas=[0.8, 0.99], lr_schedule="linear")
+    config = ExperimentConfig.from_dict(raw, check_environment=False)
+    monkeypatch.setattr(train_task, "drafter_record", lambda _config, _hidden: {})
+    hidden = SimpleNamespace(
+        manifest=SimpleNamespace(model_dump=lambda mode: {}, summary={"aux_layer_ids": [1, 3, 5]})
+    )
+    cfg = TrainConfig(**train_task.loop_config(config, hidden, tmp_path)["train_config"])  # type: ignore[arg-type]
+    assert (cfg.train_lm_head, cfg.adam_betas, cfg.lr_schedule) == (False, (0.8, 0.99), "linear")
+    raw["training"]["lr_schedule"] = "step"
+    with pytest.raises(ConfigError, match="training.lr_schedule"):
+        ExperimentConfig.from_dict(raw, check_environment=False)
+    raw["training"].update(lr_schedule="cosine", adam_betas=[0.9, 1.0])
+    with pytest.raises(ConfigError, match="training.adam_betas"):
+        ExperimentConfig.from_dict(raw, check_environment=False)
 
 
 def test_resume_continues_exactly(target_and_samples) -> None:  # type: ignore[no-untyped-def]
