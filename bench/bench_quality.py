@@ -22,11 +22,20 @@ One dataset, two trainers, one simulator:
    the seeds (the per-seed ratios are recorded too).
 
     .venv/bin/python bench/bench_quality.py --samples 256 --epochs 4 --seeds 0 1
+
+Ablations (one draftloop training option changed at a time, speculators' side fixed): keep the data in a
+workdir, and speculators' result per seed with it (every run writes it there; `--reuse-peer` reads it, so
+only draftloop trains again); each `--draftloop-set` result goes to the out file's `quality_ablations`
+list instead of `quality`:
+
+    .venv/bin/python bench/bench_quality.py --workdir /tmp/quality --reuse-peer \
+        --draftloop-set train_lm_head=false
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -48,6 +57,20 @@ PEER_LOSS = "kl_div"  # speculators' default loss for eagle3
 PEER_STEP_DECAY = 0.8  # TTT step loss decay, as draftloop's TrainConfig.step_decay
 PEER_ATTENTION = "sdpa"  # speculators' draft_attn_impl on CPU (its flex attention has no CPU backward)
 PEER_ONLY_TENSORS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# The TrainConfig fields train_peer reads (draftloop-only ones, e.g. train_lm_head, stay out of its cache key)
+PEER_SETTINGS = (
+    "ttt_length",
+    "epochs",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "warmup_ratio",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+    "max_length",
+    "step_decay",
+)
 LOGITS_RTOL = 1e-4  # conversion check: max |logit difference| / max |logit|
 CHECK_SAMPLES = 4
 
@@ -61,8 +84,11 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------- data
 
 
-def experiment_config(workdir: Path, samples: int, epochs: int, seed: int = 0) -> Any:
-    """configs/tiny-llama.yaml with its target and storage in ``workdir``, and these training settings."""
+def experiment_config(
+    workdir: Path, samples: int, epochs: int, seed: int = 0, training: Mapping[str, Any] | None = None
+) -> Any:
+    """configs/tiny-llama.yaml with its target and storage in ``workdir``, these training settings and
+    ``training``'s overrides of the training section (draftloop's side of an ablation)."""
     import yaml
 
     from draftloop.infra.config import ExperimentConfig
@@ -73,7 +99,7 @@ def experiment_config(workdir: Path, samples: int, epochs: int, seed: int = 0) -
     raw["data"]["num_samples"] = samples
     # Every sample trains (both trainers see the same ones); the quality is measured on the held-out
     # evaluation prompts instead of the train stage's per-epoch held-out estimate.
-    raw["training"].update({"epochs": epochs, "seed": seed, "held_out_samples": 0})
+    raw["training"].update({"epochs": epochs, "seed": seed, "held_out_samples": 0, **(training or {})})
     raw["storage"]["root"] = str(workdir / "runs")
     return ExperimentConfig.from_dict(raw, check_environment=False)
 
@@ -390,70 +416,151 @@ def simulate(
 # ---------------------------------------------------------------------------------------------- main
 
 
-def one_seed(
-    config: Any, hidden: Any, workdir: Path, prompts: list[str], target: Any, tokenizer: Any
+def train_settings(config: Any, hidden: Any) -> Any:
+    """The TrainConfig the train stage builds from ``config`` (what both trainers are given)."""
+    from draftloop.kernels.train import TrainConfig
+    from draftloop.tasks.train import loop_config
+
+    return TrainConfig(**loop_config(config, hidden, Path("unused"))["train_config"])
+
+
+DRAFTLOOP_OPTIONS = ("train_lm_head", "adam_betas", "lr_schedule", "init_norm_from_target")
+
+
+def draftloop_description(section: Any) -> dict[str, Any]:
+    """draftloop's side: its training section's options that differ from speculators' way, and what they
+    mean."""
+    settings = {name: getattr(section, name) for name in DRAFTLOOP_OPTIONS}
+    settings["adam_betas"] = list(settings["adam_betas"])
+    head = "trained" if section.train_lm_head else "frozen"
+    norm = "the target's" if section.init_norm_from_target else "ones"
+    return {
+        "settings": settings,
+        "loss": "soft cross-entropy to the target's distribution, step decay 0.8, each TTT step's "
+        "token-weighted mean over the optimizer step",
+        "trains": f"fc, decoder layer, final norm (starts at {norm})"
+        + (", lm_head (starts at the target's)" if section.train_lm_head else "")
+        + f"; lm_head {head}",
+        "optimizer": f"AdamW betas {tuple(section.adam_betas)}, linear warm-up then {section.lr_schedule} "
+        "decay",
+    }
+
+
+def peer_cache_path(workdir: Path, hidden: Any, cfg: Any, simulation: Mapping[str, Any]) -> Path:
+    """Where the peer's result for these data, training settings and simulation is kept in ``workdir``."""
+    settings = {name: getattr(cfg, name) for name in PEER_SETTINGS}
+    key = {
+        "data": hidden.manifest.summary.get("tokens"),
+        "shards": sorted(info.sha256 for info in hidden.manifest.shards),
+        "training": settings,
+        "simulation": dict(simulation),
+        "peer": [PEER_LOSS, PEER_STEP_DECAY, PEER_ATTENTION],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return workdir / "peer-cache" / f"seed{cfg.seed}-{digest}.json"
+
+
+def peer_side(
+    config: Any,
+    hidden: Any,
+    drafter_config: Any,
+    prompts: list[str],
+    target: Any,
+    tokenizer: Any,
+    cfg: Any,
 ) -> dict[str, Any]:
-    """Both trainers with ``config.training.seed`` (initial weights and sample order), both simulated."""
-    from draftloop.kernels.checkpoint import load_drafter, load_target_head
+    """speculators trained with ``cfg``, converted (checked), simulated: its AL and tokens per step."""
+    from draftloop.kernels.checkpoint import load_target_head
 
-    seed = int(config.training.seed)
+    seed = int(cfg.seed)
     target_dir = Path(config.target.path)
-    log(f"seed {seed}: draftloop training (train stage worker body, 1 worker, CPU)")
-    started = time.perf_counter()
-    drafter_dir, ours_result, cfg = train_draftloop(config, hidden, workdir / f"train-draftloop-{seed}")
-    ours_seconds = time.perf_counter() - started
-    log(f"seed {seed}: draftloop {len(ours_result['history'])} steps in {ours_seconds:.0f} s")
-
     log(f"seed {seed}: speculators training (Eagle3DraftModel, plain loop, CPU)")
     embed, lm_head, final_norm = load_target_head(target_dir)
     if final_norm is None:
         raise SystemExit(f"{target_dir}: no final norm weight")
     aux_ids = list(hidden.manifest.summary["aux_layer_ids"])
-    peer = build_peer(target_dir, aux_ids, cfg.seed, (embed, lm_head, final_norm))
+    peer = build_peer(target_dir, aux_ids, seed, (embed, lm_head, final_norm))
     data = training_samples(config, hidden)
     peer_result = train_peer(peer, data, cfg, final_norm.float())
-    ours_tokens = [step["real_tokens"] for step in ours_result["history"]]
-    peer_tokens = [step["real_tokens"] for step in peer_result["history"]]
-    if ours_tokens != peer_tokens:
-        raise SystemExit(f"the trainers saw different steps: tokens per step {ours_tokens} vs {peer_tokens}")
-    log(f"seed {seed}: speculators {len(peer_tokens)} steps in {peer_result['seconds']:.0f} s")
+    log(f"seed {seed}: speculators {len(peer_result['history'])} steps in {peer_result['seconds']:.0f} s")
 
-    ours = load_drafter(drafter_dir)
-    ours.attach_embeddings(embed)
-    converted = peer_to_drafter(peer, ours.config, embed)
-    steps = data.rank_steps(0, cfg.seed, CHECK_SAMPLES, 0, 0, 1)
+    converted = peer_to_drafter(peer, drafter_config, embed)
+    steps = data.rank_steps(0, seed, CHECK_SAMPLES, 0, 0, 1)
     check_samples = next(steps).samples
     steps.close()  # stops its shard prefetcher
     check = conversion_check(peer, converted, check_samples, cfg, final_norm.float(), lm_head.float())
     log(f"seed {seed}: conversion check {json.dumps(check)}")
     if not check["exact"]:
         raise SystemExit(f"the converted drafter's logits differ from speculators' own: {check}")
+    k, max_tokens = int(config.engine.num_speculative_tokens), int(config.evaluation.max_tokens)
+    return {
+        **simulate(target, tokenizer, converted, prompts, k, max_tokens),
+        "train_seconds": peer_result["seconds"],
+        "last_epoch_mean_loss": last_epoch_mean(peer_result["history"], cfg.epochs),
+        "tokens_per_step": [step["real_tokens"] for step in peer_result["history"]],
+        "conversion_check": check,
+    }
+
+
+def last_epoch_mean(history: list[dict[str, Any]], epochs: int) -> float:
+    last = history[-(len(history) // epochs) :]
+    return round(sum(step["loss"] for step in last) / len(last), 4)
+
+
+def one_seed(
+    config: Any,
+    peer_config: Any,
+    hidden: Any,
+    workdir: Path,
+    prompts: list[str],
+    target: Any,
+    tokenizer: Any,
+    reuse_peer: bool,
+) -> dict[str, Any]:
+    """Both trainers with the seed of the configs (initial weights and sample order), both simulated:
+    draftloop with ``config``'s training section, speculators with ``peer_config``'s (read from the
+    workdir's cache when ``reuse_peer`` and cached)."""
+    from draftloop.kernels.checkpoint import load_drafter, load_target_head
+
+    seed = int(config.training.seed)
+    log(f"seed {seed}: draftloop training (train stage worker body, 1 worker, CPU)")
+    started = time.perf_counter()
+    drafter_dir, ours_result, cfg = train_draftloop(config, hidden, workdir / f"train-draftloop-{seed}")
+    ours_seconds = time.perf_counter() - started
+    log(f"seed {seed}: draftloop {len(ours_result['history'])} steps in {ours_seconds:.0f} s")
+    ours = load_drafter(drafter_dir)
+    ours.attach_embeddings(load_target_head(Path(config.target.path))[0])
 
     k, max_tokens = int(config.engine.num_speculative_tokens), int(config.evaluation.max_tokens)
+    peer_cfg = train_settings(peer_config, hidden)
+    cache = peer_cache_path(workdir, hidden, peer_cfg, {"k": k, "max_tokens": max_tokens, "prompts": prompts})
+    if reuse_peer and cache.exists():
+        peer = json.loads(cache.read_text())
+        log(f"seed {seed}: speculators' result from {cache}")
+    else:
+        peer = peer_side(peer_config, hidden, ours.config, prompts, target, tokenizer, peer_cfg)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(peer, indent=1) + "\n")
+    ours_tokens = [step["real_tokens"] for step in ours_result["history"]]
+    if ours_tokens != peer["tokens_per_step"]:
+        raise SystemExit(
+            f"the trainers saw different steps: tokens per step {ours_tokens} vs {peer['tokens_per_step']}"
+        )
+
     ours_sim = simulate(target, tokenizer, ours, prompts, k, max_tokens)
-    peer_sim = simulate(target, tokenizer, converted, prompts, k, max_tokens)
-    lengths = [sim["mean_acceptance_length"] for sim in (ours_sim, peer_sim)]
+    lengths = [sim["mean_acceptance_length"] for sim in (ours_sim, peer)]
     log(f"seed {seed}: mean acceptance length draftloop {lengths[0]:.3f}, speculators {lengths[1]:.3f}")
-
-    def last_epoch_mean(history: list[dict[str, Any]]) -> float:
-        last = history[-(len(history) // cfg.epochs) :]
-        return round(sum(step["loss"] for step in last) / len(last), 4)
-
     return {
         "seed": seed,
         "optimizer_steps": len(ours_tokens),
         "draftloop": {
             **ours_sim,
             "train_seconds": round(ours_seconds, 1),
-            "last_epoch_mean_loss": last_epoch_mean(ours_result["history"]),
+            "last_epoch_mean_loss": last_epoch_mean(ours_result["history"], cfg.epochs),
         },
-        "speculators": {
-            **peer_sim,
-            "train_seconds": peer_result["seconds"],
-            "last_epoch_mean_loss": last_epoch_mean(peer_result["history"]),
-        },
+        "speculators": {k: v for k, v in peer.items() if k not in ("tokens_per_step", "conversion_check")},
         "ratio": round(lengths[0] / lengths[1], 3),
-        "conversion_check": check,
+        "conversion_check": peer["conversion_check"],
     }
 
 
@@ -472,13 +579,15 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     runs = []
     for seed in args.seeds:
-        seeded = experiment_config(workdir, args.samples, args.epochs, seed)
-        runs.append(one_seed(seeded, hidden, workdir, prompts, target, tokenizer))
+        ours = experiment_config(workdir, args.samples, args.epochs, seed, args.draftloop_set)
+        peer = experiment_config(workdir, args.samples, args.epochs, seed)
+        runs.append(one_seed(ours, peer, hidden, workdir, prompts, target, tokenizer, args.reuse_peer))
 
     def mean(side: str, key: str) -> float:
         return round(sum(float(r[side][key]) for r in runs) / len(runs), 4)
 
     section = config.training
+    ours_section = experiment_config(workdir, args.samples, args.epochs, 0, args.draftloop_set).training
     aux_ids = list(hidden.manifest.summary["aux_layer_ids"])
     return {
         "machine": f"CPU, {os.cpu_count()} cores (shared)",
@@ -511,10 +620,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "draftloop": {
             "mean_acceptance_length": mean("draftloop", "mean_acceptance_length"),
             "acceptance_rate": mean("draftloop", "acceptance_rate"),
-            "loss": "soft cross-entropy to the target's distribution, step decay 0.8, each TTT step's "
-            "token-weighted mean over the optimizer step",
-            "trains": "fc, decoder layer, final norm and lm_head (lm_head and norm start from the target's)",
-            "optimizer": "AdamW betas (0.9, 0.95), linear warm-up then cosine decay",
+            **draftloop_description(ours_section),
         },
         "speculators": {
             "version": "0.9.0",
@@ -531,6 +637,34 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def ablation_record(quality: Mapping[str, Any], variant: str) -> dict[str, Any]:
+    """One line of the ablation list: draftloop's settings and both sides' AL per seed."""
+    runs = quality["runs"]
+    ours = quality["draftloop"]["mean_acceptance_length"]
+    peer = quality["speculators"]["mean_acceptance_length"]
+    return {
+        "variant": variant,
+        "command": quality["command"],
+        "draftloop_settings": quality["draftloop"]["settings"],
+        "seeds": [r["seed"] for r in runs],
+        "draftloop_al": [round(r["draftloop"]["mean_acceptance_length"], 4) for r in runs],
+        "draftloop_last_epoch_loss": [r["draftloop"]["last_epoch_mean_loss"] for r in runs],
+        "speculators_al": [round(r["speculators"]["mean_acceptance_length"], 4) for r in runs],
+        "ratio_per_seed": quality["ratio_per_seed"],
+        "ratio": round(ours / peer, 3),
+    }
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """KEY=VALUE of the training section, VALUE read as YAML (false, 0.999, [0.9, 0.999])."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -540,7 +674,24 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="one run of each trainer each")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results-scale.json")
     parser.add_argument("--workdir", type=Path, help="keep the target and datasets here (reused when rerun)")
+    parser.add_argument(
+        "--draftloop-set",
+        type=parse_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an ablation: override this training-section setting on draftloop's side only (repeatable); "
+        "the result goes to the out file's quality_ablations list, not to quality",
+    )
+    parser.add_argument(
+        "--reuse-peer",
+        action="store_true",
+        help="take speculators' result from the workdir's cache when the same data, settings and seed "
+        "were run there (every run writes it)",
+    )
     args = parser.parse_args()
+    overrides = dict(args.draftloop_set)
+    args.draftloop_set = overrides
     for name, value in {
         "RAY_AUTH_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",
@@ -556,9 +707,14 @@ def main() -> None:
     quality["seconds"] = round(time.perf_counter() - started, 1)
     ratio = quality["draftloop"]["mean_acceptance_length"] / quality["speculators"]["mean_acceptance_length"]
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
-    record = {**previous, "quality": quality, "quality_ratio_vs_speculators": round(ratio, 3)}
+    if overrides:
+        variant = " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items())
+        ablations = [a for a in previous.get("quality_ablations", []) if a["variant"] != variant]
+        record = {**previous, "quality_ablations": [*ablations, ablation_record(quality, variant)]}
+    else:
+        record = {**previous, "quality": quality, "quality_ratio_vs_speculators": round(ratio, 3)}
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({"quality_ratio_vs_speculators": record["quality_ratio_vs_speculators"]}))
+    print(json.dumps({"ratio": round(ratio, 3), "ratio_per_seed": quality["ratio_per_seed"]}))
 
 
 if __name__ == "__main__":

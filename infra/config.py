@@ -136,6 +136,8 @@ class TrainingConfig(_Section):
     train_lm_head: bool = True
     adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.95)
     lr_schedule: Literal["cosine", "linear"] = "cosine"  # the decay to zero after the linear warm-up
+    # A fresh drafter's final norm starts from the target's final norm weight (false: ones).
+    init_norm_from_target: bool = True
     # Shards whose samples are shuffled together (held in memory); each worker trains the samples of its own
     # shards of a window, so keep it at least num_workers.
     shuffle_window_shards: int = Field(default=8, ge=1)

@@ -139,7 +139,7 @@ def _build_drafter(
             counts = _draft_vocab_counts(data, vocab_size, rank, world)
             drafter.set_vocab_mapping(*build_draft_vocab(counts, vocab_size, config.draft_vocab_size))
         if lm_head.shape[1] == config.hidden_size:
-            drafter.init_from_target_head(lm_head, final_norm)
+            drafter.init_from_target_head(lm_head, final_norm if loop["init_norm_from_target"] else None)
     drafter.attach_embeddings(embed)
     return drafter, lm_head
 

@@ -64,6 +64,7 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
         "aux_layer_ids": list(hidden.manifest.summary["aux_layer_ids"]),
         "draft_vocab_size": section.draft_vocab_size,
         "drafter_init": section.drafter_init,
+        "init_norm_from_target": bool(section.init_norm_from_target),
         "seed": int(section.seed),
         "engine": str(config.engine.kind),
         "drafter_metadata": drafter_record(config, hidden),

@@ -217,6 +217,7 @@ def _worker_loop(root: Path, work: str, held_out: int = 0) -> dict[str, Any]:
         "aux_layer_ids": list(LAYERS.ids),
         "draft_vocab_size": 32,
         "drafter_init": None,
+        "init_norm_from_target": True,
         "seed": 0,
         "engine": "vllm",
         "drafter_metadata": {},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -235,20 +236,45 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
     from draftloop.tasks import train as train_task
 
     raw = yaml.safe_load((Path(__file__).parent.parent / "configs" / "tiny-llama.yaml").read_text())
-    raw["training"].update(train_lm_head=False, adam_betas=[0.8, 0.99], lr_schedule="linear")
+    raw["training"].update(
+        train_lm_head=False, adam_betas=[0.8, 0.99], lr_schedule="linear", init_norm_from_target=False
+    )
     config = ExperimentConfig.from_dict(raw, check_environment=False)
     monkeypatch.setattr(train_task, "drafter_record", lambda _config, _hidden: {})
     hidden = SimpleNamespace(
         manifest=SimpleNamespace(model_dump=lambda mode: {}, summary={"aux_layer_ids": [1, 3, 5]})
     )
-    cfg = TrainConfig(**train_task.loop_config(config, hidden, tmp_path)["train_config"])  # type: ignore[arg-type]
+    loop = train_task.loop_config(config, hidden, tmp_path)  # type: ignore[arg-type]
+    cfg = TrainConfig(**loop["train_config"])
     assert (cfg.train_lm_head, cfg.adam_betas, cfg.lr_schedule) == (False, (0.8, 0.99), "linear")
+    assert loop["init_norm_from_target"] is False
     raw["training"]["lr_schedule"] = "step"
-    with pytest.raises(ConfigError, match="training.lr_schedule"):
+    with pytest.raises(ConfigError, match=r"training\.lr_schedule"):
         ExperimentConfig.from_dict(raw, check_environment=False)
     raw["training"].update(lr_schedule="cosine", adam_betas=[0.9, 1.0])
-    with pytest.raises(ConfigError, match="training.adam_betas"):
+    with pytest.raises(ConfigError, match=r"training\.adam_betas"):
         ExperimentConfig.from_dict(raw, check_environment=False)
+
+
+def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from draftloop.infra.train_worker import _build_drafter
+
+    model = copy.deepcopy(target_and_samples[0])
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 2.0)  # a trained target's norm is not ones
+    model.save_pretrained(tmp_path / "target")
+    loop = {
+        "target_path": str(tmp_path / "target"),
+        "drafter_init": None,
+        "aux_layer_ids": list(LAYERS.ids),
+        "draft_vocab_size": None,
+        "seed": 0,
+    }
+    for from_target in (True, False):
+        drafter, _ = _build_drafter({**loop, "init_norm_from_target": from_target}, None, 0, 1)  # type: ignore[arg-type]
+        want = model.model.norm.weight.detach() if from_target else torch.ones(TARGET.hidden_size)
+        assert torch.equal(drafter.norm.weight.detach(), want)
+        assert torch.equal(drafter.lm_head.weight.detach(), model.lm_head.weight.detach())
 
 
 def test_resume_continues_exactly(target_and_samples) -> None:  # type: ignore[no-untyped-def]
