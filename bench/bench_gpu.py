@@ -159,9 +159,7 @@ def bench_extraction(s: dict[str, int], dev: str, workdir: Path, batches: int, f
             layer_ids,
             sink,
             target_name="llama-8b-random",
-            samples_per_shard=s["B"],
-            writer_threads=6,
-            max_inflight=6,
+            samples_per_shard=s["B"],  # writer threads and in-flight shards: the product's defaults
         )
         elapsed = time.perf_counter() - start
         if drop:
