@@ -57,6 +57,7 @@ class SynthesisResult:
     rejected: list[dict[str, str]] = field(default_factory=list)
     generated_tokens: int = 0
     seconds: float = 0.0  # generating only: loading the target or starting its server is not counted
+    shortened: int = 0  # conversations whose later turns were not asked for: data.max_length was reached
 
     def reject(self, row_id: str, reason: str) -> None:
         self.rejected.append({"id": row_id, "reason": reason})

@@ -6,7 +6,10 @@ turn: system and user turns are kept, and each assistant turn is replaced, in or
 answer to the conversation so far (its earlier turns already regenerated), so every assistant token a
 drafter trains on is one the target would produce. Requests run with bounded concurrency; a request that
 fails (connection error, timeout, 5xx, 429) is retried with backoff, and a conversation whose request still
-fails, or whose answer is empty, is rejected with the reason. Reasoning the server's reasoning parser
+fails, or whose answer is empty, is rejected with the reason. Once a conversation has reached the training
+length (`data.max_length` tokens, prompt and answer as the server counted them), its later turns are not
+asked for: training would cut them off, and their growing history could exceed the server's context.
+Reasoning the server's reasoning parser
 separates (`reasoning_content` / `reasoning`) is kept apart from the answer; without a parser, a
 `<think>...</think>` block in the content is split off the same way.
 """
@@ -53,6 +56,7 @@ class ChatAnswer:
     content: str
     reasoning: str | None
     completion_tokens: int
+    prompt_tokens: int = 0  # as the server counted them (0: it did not say)
 
 
 def input_messages(row: InputRow) -> list[Message]:
@@ -73,7 +77,12 @@ def parse_chat_answer(body: Mapping[str, Any]) -> ChatAnswer:
         content = content.strip()
     reasoning = str(reasoning).strip() if reasoning else None
     usage = body.get("usage") or {}
-    return ChatAnswer(content, reasoning or None, int(usage.get("completion_tokens") or 0))
+    return ChatAnswer(
+        content,
+        reasoning or None,
+        int(usage.get("completion_tokens") or 0),
+        int(usage.get("prompt_tokens") or 0),
+    )
 
 
 async def chat_with_retries(
@@ -106,9 +115,11 @@ async def _regenerate_row(
     sampling: Mapping[str, Any],
     policy: RequestPolicy,
     limit: asyncio.Semaphore,
-) -> tuple[list[Message], int]:
+    max_length: int | None,
+) -> tuple[list[Message], int, bool]:
     """The row's turns with every assistant turn regenerated in order (and one added after a final user
-    turn); returns (messages, completion tokens)."""
+    turn); returns (messages, completion tokens, shortened). ``shortened``: the conversation reached
+    ``max_length`` tokens before its last assistant turn, and ends with the answer that reached it."""
     turns = input_messages(row)
     if not any(turn["role"] == "user" for turn in turns):
         raise RequestFailed("no user turn")
@@ -117,7 +128,7 @@ async def _regenerate_row(
         turns.append({"role": "assistant", "content": ""})
     kept: list[Message] = []
     tokens = 0
-    for turn in turns:
+    for index, turn in enumerate(turns):
         if turn["role"] != "assistant":
             kept.append(turn)
             continue
@@ -134,7 +145,11 @@ async def _regenerate_row(
         if answer.reasoning:
             regenerated["reasoning"] = answer.reasoning
         kept.append(regenerated)
-    return kept, tokens
+        reached = answer.prompt_tokens + answer.completion_tokens
+        later_answers = any(later["role"] == "assistant" for later in turns[index + 1 :])
+        if max_length is not None and reached >= max_length and later_answers:
+            return kept, tokens, True
+    return kept, tokens, False
 
 
 async def regenerate_conversations(
@@ -148,9 +163,12 @@ async def regenerate_conversations(
     extra_body: Mapping[str, Any] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     headers: Mapping[str, str] | None = None,
+    max_length: int | None = None,
 ) -> SynthesisResult:
     """Regenerate every row through `base_url`'s /v1/chat/completions; results in input order.
 
+    `max_length`: a conversation stops at the answer that brings it to this many tokens (counted in
+    `SynthesisResult.shortened`).
     A row's reasoning is its assistant turns' reasoning joined (None when none had any); each
     regenerated assistant message also carries its own under "reasoning". `extra_body`: engine-specific
     request fields (e.g. vLLM's `thinking_token_budget`). `transport` replaces the network (tests replay
@@ -160,11 +178,11 @@ async def regenerate_conversations(
     sampling = {"max_tokens": max_tokens, "temperature": temperature, **(extra_body or {})}
     limit = asyncio.Semaphore(max(1, policy.concurrency))
     result = SynthesisResult()
-    outcomes: list[tuple[list[Message], int] | BaseException] = []
+    outcomes: list[tuple[list[Message], int, bool] | BaseException] = []
     started = time.perf_counter()
     async with httpx.AsyncClient(transport=transport, timeout=policy.timeout_s, headers=headers) as client:
         outcomes = await asyncio.gather(
-            *(_regenerate_row(client, url, model, row, sampling, policy, limit) for row in rows),
+            *(_regenerate_row(client, url, model, row, sampling, policy, limit, max_length) for row in rows),
             return_exceptions=True,
         )
     result.seconds = time.perf_counter() - started
@@ -176,8 +194,9 @@ async def regenerate_conversations(
         if isinstance(outcome, BaseException):
             result.reject(row_id, f"request failed: {type(outcome).__name__}: {outcome}")
             continue
-        messages, tokens = outcome
+        messages, tokens, shortened = outcome
         result.generated_tokens += tokens
+        result.shortened += int(shortened)
         reasonings = [m["reasoning"] for m in messages if m.get("reasoning")]
         result.conversations.append(
             {"id": row_id, "messages": messages, "reasoning": "\n\n".join(reasonings) if reasonings else None}
@@ -201,6 +220,7 @@ def regenerate_from_config(
             policy=policy,
             extra_body=dict(section.extra_body),
             headers=get_engine(config.engine.kind, config.engine_settings()).request_headers(),
+            max_length=int(config.data.max_length),
         )
     )
 

@@ -171,6 +171,7 @@ def run(
             "eval_prompts": len(eval_prompts),
             "with_reasoning": sum(1 for row in rows if row.get("reasoning")),
             "generated_tokens": result.generated_tokens,
+            "shortened_at_max_length": result.shortened,
             "seconds": round(seconds, 3),
             # rates over the generation alone: loading the target or starting its server is start-up
             "startup_seconds": round(max(0.0, seconds - generating), 3),

@@ -132,6 +132,33 @@ def test_multi_turn_regenerated_in_order_with_user_and_system_turns_kept() -> No
     assert result.generated_tokens == 15
 
 
+def test_conversation_stops_at_the_answer_that_reaches_max_length() -> None:
+    """Later turns of a conversation already at data.max_length are not asked for (training would cut
+    them, and their history could exceed the server's context); shorter conversations go on."""
+    asked: list[int] = []
+
+    def answer(body: dict[str, Any]) -> httpx.Response:
+        users = sum(1 for m in body["messages"] if m["role"] == "user")
+        asked.append(users)
+        prompt_tokens = 30 * users  # the history grows with every turn
+        reply = chat_body(f"answer {users}", tokens=20)
+        reply["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": 20}
+        return httpx.Response(200, json=reply)
+
+    turns = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]
+    turns += [{"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    turns += [{"role": "user", "content": "u3"}]
+    # turn 1 reaches 50 tokens, turn 2 80, turn 3 110
+    result = run_with(answer, [{"id": "c", "messages": turns}], max_length=80)
+    assert result.rejected == []
+    assert [m["content"] for m in result.conversations[0]["messages"]] == ["u1", "answer 1", "u2", "answer 2"]
+    assert asked == [1, 2] and result.shortened == 1 and result.generated_tokens == 40
+    asked.clear()
+    longer = run_with(answer, [{"id": "c", "messages": turns}], max_length=111)
+    assert asked == [1, 2, 3] and longer.shortened == 0
+    assert longer.conversations[0]["messages"][-1] == {"role": "assistant", "content": "answer 3"}
+
+
 def test_prompt_rows_are_one_user_turn() -> None:
     result = run_with(
         lambda body: httpx.Response(200, json=chat_body("hi")), [{"id": "p", "prompt": "hello"}]
