@@ -78,7 +78,8 @@ class TrainConfig:
     checkpoint_every_steps: int | None = None
     # False: the drafter's lm_head keeps its initial weights (the target's rows when started from the
     # target) and gets no gradient, as speculators trains; its weight gradient, [Vd, H] per position
-    # and TTT step, is then not computed.
+    # and TTT step, is then not computed. (The experiment config's training section defaults to
+    # False, (0.9, 0.999) and "linear": infra/config.py says why; these are the kernel's own defaults.)
     train_lm_head: bool = True
     adam_betas: tuple[float, float] = (0.9, 0.95)
     # After the linear warm-up, the learning rate decays to zero: "cosine" or "linear".
