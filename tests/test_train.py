@@ -277,10 +277,18 @@ def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples
         assert torch.equal(drafter.lm_head.weight.detach(), model.lm_head.weight.detach())
 
 
-def test_resume_continues_exactly(target_and_samples) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("train_lm_head", [True, False])
+def test_resume_continues_exactly(target_and_samples, train_lm_head: bool) -> None:  # type: ignore[no-untyped-def]
     model, samples = target_and_samples
     cfg = TrainConfig(
-        ttt_length=2, epochs=3, batch_size=4, lr=1e-3, grad_accum=2, seed=3, show_progress=False
+        ttt_length=2,
+        epochs=3,
+        batch_size=4,
+        lr=1e-3,
+        grad_accum=2,
+        seed=3,
+        show_progress=False,
+        train_lm_head=train_lm_head,
     )
     head = model.lm_head.weight.detach()
     after_first: dict[str, object] = {}
