@@ -91,7 +91,7 @@ def drafter_config(s: dict[str, int]) -> DrafterConfig:
     )
 
 
-def token_flops(cfg: DrafterConfig, ttt: int, train_lm_head: bool = True) -> float:
+def token_flops(cfg: DrafterConfig, ttt: int, train_lm_head: bool) -> float:
     """Matmul FLOPs per token of one TTT training step, attention scores excluded (fwd 2, fwd+bwd 6)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -109,9 +109,11 @@ def attention_flops(cfg: DrafterConfig, length: int, ttt: int) -> float:
     return float(sum(3 * 2 * 2 * q * (length * (length + 1) / 2 + length * j) for j in range(ttt)))
 
 
-def useful_flops_per_token(cfg: DrafterConfig, data: SyntheticHiddenStates, shards: int, ttt: int) -> float:
+def useful_flops_per_token(
+    cfg: DrafterConfig, data: SyntheticHiddenStates, shards: int, ttt: int, train_lm_head: bool
+) -> float:
     lengths = [n for i in range(shards) for n in data.lengths(i)]
-    total = sum(token_flops(cfg, ttt) * n + attention_flops(cfg, n, ttt) for n in lengths)
+    total = sum(token_flops(cfg, ttt, train_lm_head) * n + attention_flops(cfg, n, ttt) for n in lengths)
     return total / sum(lengths)
 
 
@@ -139,6 +141,7 @@ def draftloop_run(
         compile=True,
         pack_tokens=args.pack_tokens,
         show_progress=False,
+        train_lm_head=args.train_lm_head,
     )
     times: list[float] = []
     records: list[dict[str, Any]] = []
@@ -304,6 +307,12 @@ def main() -> None:
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--peer-only", action="store_true", help="only the speculators runs")
     parser.add_argument("--world-only", action="store_true", help="torchrun: only the N-GPU runs")
+    parser.add_argument(
+        "--train-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=TrainConfig.train_lm_head,
+        help="draftloop trains its lm_head (default: the loop's; the runs recorded so far had it on)",
+    )
     args = parser.parse_args()
     began = time.monotonic()
 
@@ -321,7 +330,7 @@ def main() -> None:
     data = SyntheticHiddenStates(s, cap)
     shards = args.steps * args.samples_per_step // SAMPLES_PER_SHARD
     peak = matmul_peak(dev)
-    flops_per_token = useful_flops_per_token(drafter_config(s), data, shards, args.ttt)
+    flops_per_token = useful_flops_per_token(drafter_config(s), data, shards, args.ttt, args.train_lm_head)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -42,6 +42,7 @@ from draftloop.infra.engines.base import (
 )
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.train import LrSchedule, TrainConfig
 
 EAGLE3_NUM_AUX_LAYERS = 3
 
@@ -132,14 +133,12 @@ class TrainingConfig(_Section):
     # Pack samples into rows of at most this many tokens (one row per micro-batch); null = one per row.
     pack_tokens: int | None = Field(default=None, ge=1)
     checkpoint_every_steps: int | None = Field(default=None, ge=1)  # null = after every epoch only
-    # The next four defaults are speculators' way: together they lifted draftloop's mean acceptance on the
-    # tiny-llama quality bench from 0.962x the peer's to 1.036x, and leaving any one out lost some of it
-    # (bench/RESULTS.md, drafter quality).
-    # false: the drafter's lm_head stays the target's rows (no gradient, and no lm_head weight gradient
-    # to compute).
-    train_lm_head: bool = False
-    adam_betas: tuple[AdamBeta, AdamBeta] = (0.9, 0.999)
-    lr_schedule: Literal["cosine", "linear"] = "linear"  # the decay to zero after the linear warm-up
+    # The training loop's own defaults (kernels/train.py TrainConfig says why these).
+    # false: the drafter's lm_head stays the target's rows (no gradient).
+    train_lm_head: bool = TrainConfig.train_lm_head
+    adam_betas: tuple[AdamBeta, AdamBeta] = TrainConfig.adam_betas
+    # the decay to zero after the linear warm-up
+    lr_schedule: LrSchedule = TrainConfig.lr_schedule
     # A fresh drafter's final norm starts from the target's final norm weight (false: ones).
     init_norm_from_target: bool = False
     # Shards whose samples are shuffled together (held in memory); each worker trains the samples of its own
