@@ -285,7 +285,7 @@ def make_optimizer(drafter: Eagle3Drafter, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def make_scheduler(
-    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, schedule: str = "cosine"
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, schedule: LrSchedule
 ) -> Any:
     """Linear warm-up to the base lr, then ``schedule`` ("cosine" or "linear") decay to zero over
     ``total_steps`` optimizer steps."""
