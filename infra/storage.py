@@ -96,18 +96,19 @@ _BACKGROUND_HASH_BYTES = 8 << 20
 
 
 class _Sha256Beside:
-    """sha256 of ``chunks``, computed on its own thread while the caller writes the same chunks.
+    """sha256 of ``chunks`` (``size`` bytes in all), computed on its own thread while the caller writes
+    the same chunks.
 
     hashlib and file writes both release the GIL on large buffers, so a shard takes max(hash, write)
     instead of their sum. That is the latency of the last shard of an extraction, which nothing else
     overlaps (issue: the pipeline's drain).
     """
 
-    def __init__(self, chunks: list[bytes | memoryview]) -> None:
+    def __init__(self, chunks: list[bytes | memoryview], size: int) -> None:
         self._digest = hashlib.sha256()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if sum(memoryview(chunk).nbytes for chunk in chunks) < _BACKGROUND_HASH_BYTES:
+        if size < _BACKGROUND_HASH_BYTES:
             self._hash(chunks)
         else:
             self._thread = threading.Thread(target=self._hash, args=(chunks,), name="sha256", daemon=True)
@@ -144,7 +145,7 @@ def write_chunks_atomic(
         path = _local_path(uri)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-        digest = _Sha256Beside(parts)
+        digest = _Sha256Beside(parts, size)
         written = 0
         try:
             with open(tmp, "wb") as handle:
@@ -166,7 +167,7 @@ def write_chunks_atomic(
         return sha256, size
     fs, path_in_fs = filesystem(uri, options)
     data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-    digest = _Sha256Beside([data])
+    digest = _Sha256Beside([data], size)
     fs.pipe_file(path_in_fs, data)
     return digest.hexdigest(), size
 
