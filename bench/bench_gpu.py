@@ -108,7 +108,7 @@ def bench_extraction(s: dict[str, int], dev: str, workdir: Path, batches: int, f
     """
     from transformers import LlamaForCausalLM
 
-    from draftloop.infra.storage import DatasetWriter, read_manifest
+    from draftloop.infra.runtime.storage import DatasetWriter, read_manifest
 
     with torch.device(dev):
         target = LlamaForCausalLM(target_config(s)).to(torch.bfloat16).eval()

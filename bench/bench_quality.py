@@ -6,7 +6,7 @@ One dataset, two trainers, one simulator:
    configs/tiny-llama.yaml: the zoo's tiny-llama answers `--samples` builtin prompts, its hidden states
    are extracted; the synthesize stage also keeps the held-out evaluation prompts (the last
    `data.eval_prompts` builtin prompts, never trained on).
-2. draftloop: the train stage's worker body (infra/train_worker.py `train_worker`, Ray-free with one
+2. draftloop: the train stage's worker body (infra/training/worker.py `train_worker`, Ray-free with one
    worker) with the config's training section (no held-out epoch selection: the last epoch is exported).
 3. speculators 0.9.0: its own `Eagle3DraftModel` (built by bench/bench_realistic.py `peer_model`) with
    its own verifier-weight loading, sample shift (`shift_batch`), packing (`CollateFn`), TTT forward and
@@ -91,7 +91,7 @@ def experiment_config(
     ``training``'s overrides of the training section (draftloop's side of an ablation)."""
     import yaml
 
-    from draftloop.infra.config import ExperimentConfig
+    from draftloop.infra.runtime.config import ExperimentConfig
 
     raw = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
     raw["name"] = f"quality-{samples}"
@@ -108,7 +108,7 @@ def synthesize_and_extract(config: Any) -> tuple[Any, Any]:
     """(conversations, hidden states): the product's synthesize and extract stages (cached in storage)."""
     from bench_scale import start_ray
 
-    from draftloop.infra.actors import shutdown_ray
+    from draftloop.infra.runtime.ray_cluster import shutdown_ray
     from draftloop.tasks import extract, synthesize
 
     start_ray(config.ray.address)
@@ -126,7 +126,7 @@ def synthesize_and_extract(config: Any) -> tuple[Any, Any]:
 def training_samples(config: Any, hidden: Any) -> Any:
     """The hidden-state shards as the train stage's worker streams them (same shards, window, seed):
     the same global sample order every epoch."""
-    from draftloop.infra.storage import read_shard, storage_options
+    from draftloop.infra.runtime.storage import read_shard, storage_options
     from draftloop.kernels.data import ShardedSamples, ShardRef, split_held_out
     from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
 
@@ -158,7 +158,7 @@ def training_samples(config: Any, hidden: Any) -> Any:
 
 def train_draftloop(config: Any, hidden: Any, folder: Path) -> tuple[Path, dict[str, Any], Any]:
     """(exported drafter folder, its result.json, the TrainConfig): the train stage's worker body."""
-    from draftloop.infra.train_worker import train_worker
+    from draftloop.infra.training.worker import train_worker
     from draftloop.kernels.train import TrainConfig
     from draftloop.tasks.train import loop_config
 
@@ -567,8 +567,8 @@ def one_seed(
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftloop.infra.conversations import read_eval_prompts
-    from draftloop.infra.storage import storage_options
+    from draftloop.infra.synthesis.conversations import read_eval_prompts
+    from draftloop.infra.runtime.storage import storage_options
 
     import_speculators()
     config = experiment_config(workdir, args.samples, args.epochs)

@@ -148,7 +148,7 @@ class TreeSampler:
 def _config(workdir: Path, samples: int) -> Any:
     import yaml
 
-    from draftloop.infra.config import ExperimentConfig
+    from draftloop.infra.runtime.config import ExperimentConfig
 
     raw = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
     raw["name"] = f"scale-{samples}"
@@ -162,8 +162,8 @@ def _config(workdir: Path, samples: int) -> Any:
 
 def _synthetic_conversations(config: Any, samples: int) -> Any:
     """A synthesize-stage outcome holding `samples` conversations of varied length (seeded)."""
-    from draftloop.infra.conversations import CONVERSATIONS_SHARD_PREFIX, to_jsonl
-    from draftloop.infra.storage import DatasetWriter, join
+    from draftloop.infra.synthesis.conversations import CONVERSATIONS_SHARD_PREFIX, to_jsonl
+    from draftloop.infra.runtime.storage import DatasetWriter, join
     from draftloop.tasks.cache import StageOutcome
 
     rng = random.Random(0)
@@ -192,7 +192,7 @@ def _synthetic_conversations(config: Any, samples: int) -> Any:
 def start_ray(address: str | None) -> None:
     """`ensure_ray`, tried three times: Ray gives its raylet a fixed 30 s to start, too short on a loaded
     machine."""
-    from draftloop.infra.actors import ensure_ray, shutdown_ray
+    from draftloop.infra.runtime.ray_cluster import ensure_ray, shutdown_ray
 
     for attempt in range(3):
         try:
@@ -206,7 +206,7 @@ def start_ray(address: str | None) -> None:
 
 def run_stage(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
     """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train)."""
-    from draftloop.infra.actors import shutdown_ray
+    from draftloop.infra.runtime.ray_cluster import shutdown_ray
     from draftloop.tasks import extract, train
 
     config = _config(workdir, samples)
@@ -274,7 +274,7 @@ def main() -> None:
         args.result.write_text(json.dumps(run_stage(args.stage, args.workdir, args.samples)))
         return
 
-    from draftloop.infra.zoo import create_tiny_model
+    from draftloop.infra.targets.zoo import create_tiny_model
 
     sizes = (args.samples, args.samples * args.factor)
     with tempfile.TemporaryDirectory(prefix="draftloop-scale-") as scratch:

@@ -25,11 +25,11 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 from pydantic import BaseModel, Field
 
-from draftloop.infra import actors
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.processes import PidRecord, pid_records_dir, reap_dead_records
-from draftloop.infra.redaction import install_log_redaction, redact, register_secrets, secret_values
-from draftloop.infra.tracking import StageRun, Tracker, flatten_params, format_figure
+from draftloop.infra.runtime import ray_cluster
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import PidRecord, pid_records_dir, reap_dead_records
+from draftloop.infra.runtime.redaction import install_log_redaction, redact, register_secrets, secret_values
+from draftloop.infra.registry.tracking import StageRun, Tracker, flatten_params, format_figure
 from draftloop.tasks.cache import STAGES
 from draftloop.tasks.cycle import CycleContext, cycle_pids, run_folder_uri
 from draftloop.tasks.evaluate import evaluate_stage
@@ -252,7 +252,7 @@ def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, 
         _record_ray_pids(ctx)
 
     # Ray starts lazily, in the first stage that really runs (a fully cached cycle never pays for it).
-    actors.RAY_START_CALLBACKS.append(record_ray)
+    ray_cluster.RAY_START_CALLBACKS.append(record_ray)
     try:
         last = STAGES.index(until)
         conversations = synthesize_stage(ctx)
@@ -269,9 +269,9 @@ def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, 
         tracker.end_cycle("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", error=str(error))
         raise
     finally:
-        actors.RAY_START_CALLBACKS.remove(record_ray)
-        if actors.started_here():
-            actors.shutdown_ray()
+        ray_cluster.RAY_START_CALLBACKS.remove(record_ray)
+        if ray_cluster.started_here():
+            ray_cluster.shutdown_ray()
             ctx.pids.forget("ray")
         ctx.pids.stop_all()  # anything a stage left behind (engine servers)
         summary = build_summary(ctx, started, status)

@@ -20,9 +20,9 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.processes import held_exclusively
-from draftloop.infra.storage import Manifest, StorageOptions, join, read_manifest, storage_options
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import held_exclusively
+from draftloop.infra.runtime.storage import Manifest, StorageOptions, join, read_manifest, storage_options
 
 # The stages in cycle order; each names its output folder.
 STAGES: tuple[str, ...] = ("synthesize", "extract", "train", "evaluate", "register")

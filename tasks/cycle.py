@@ -16,12 +16,12 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.processes import PidRecord, pid_records_dir
-from draftloop.infra.redaction import redact_text
-from draftloop.infra.services import hold_gpus, stage_gpus
-from draftloop.infra.storage import join, storage_options, write_text_atomic
-from draftloop.infra.tracking import StageRun, Tracker, error_excerpt
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import PidRecord, pid_records_dir
+from draftloop.infra.runtime.redaction import redact_text
+from draftloop.infra.runtime.services import hold_gpus, stage_gpus
+from draftloop.infra.runtime.storage import join, storage_options, write_text_atomic
+from draftloop.infra.registry.tracking import StageRun, Tracker, error_excerpt
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork
 from draftloop.tasks.retry import is_transient
 

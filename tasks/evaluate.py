@@ -1,6 +1,6 @@
 """Stage 4, deploy + evaluate: serve the drafter in the engine, measure it against no speculation.
 
-Each engine server (baseline, then speculative) runs inside a Ray actor (infra/engine_actors.py, with
+Each engine server (baseline, then speculative) runs inside a Ray actor (infra/engines/actors.py, with
 the engine section's GPU request); infra/evaluation benchmarks both over HTTP on the held-out prompts,
 differences the engine's speculative counters, and runs the simulator on the same prompts. The stage
 stores the EvalReport JSON and its plots; MLflow gets the figures, the plots and the engine logs.
@@ -15,16 +15,16 @@ from typing import Any
 
 from prefect import task
 
-from draftloop.infra.actors import ensure_ray
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.conversations import read_eval_prompts
-from draftloop.infra.engine_actors import server_starter
+from draftloop.infra.runtime.ray_cluster import ensure_ray
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.synthesis.conversations import read_eval_prompts
+from draftloop.infra.engines.actors import server_starter
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.evaluation.run import evaluate_from_config
-from draftloop.infra.processes import PidRecord, state_dir
-from draftloop.infra.storage import DatasetWriter, Manifest, download_shards, storage_options
-from draftloop.infra.targets import ensure_target
-from draftloop.infra.tracking import CycleResults, StageRun
+from draftloop.infra.runtime.processes import PidRecord, state_dir
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
+from draftloop.infra.targets.resolve import ensure_target
+from draftloop.infra.registry.tracking import CycleResults, StageRun
 from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options

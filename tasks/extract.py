@@ -7,7 +7,7 @@ no conversation or hidden state passes through the driver or Ray's object store.
 kernels.capture (hooks, layer_input ids), packing through kernels.shards, storage through infra.storage.
 
 `extraction.backend: engine` is for targets too large for one process: the engine server computes the
-hidden states (infra/engine_extraction.py) and they are repacked into the same shards and manifest.
+hidden states (infra/extraction/engine.py) and they are repacked into the same shards and manifest.
 """
 
 from __future__ import annotations
@@ -17,18 +17,14 @@ import math
 import ray
 from prefect import task
 
-from draftloop.infra.actors import (
-    ExtractedShards,
-    ensure_ray,
-    kill_actors,
-    remote_hidden_state_extractor,
-)
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.conversations import conversation_count, read_conversations
-from draftloop.infra.engine_extraction import extract_with_engine
-from draftloop.infra.processes import PidRecord
-from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
-from draftloop.infra.targets import ensure_target
+from draftloop.infra.extraction.extractor import ExtractedShards, remote_hidden_state_extractor
+from draftloop.infra.runtime.ray_cluster import ensure_ray, kill_actors
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.synthesis.conversations import conversation_count, read_conversations
+from draftloop.infra.extraction.engine import extract_with_engine
+from draftloop.infra.runtime.processes import PidRecord
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, storage_options
+from draftloop.infra.targets.resolve import ensure_target
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from prefect import task
 
-from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.storage import DatasetWriter, Manifest, download_shards, storage_options
-from draftloop.infra.tracking import (
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
+from draftloop.infra.registry.tracking import (
     CycleResults,
     DrafterCard,
     StageRun,

@@ -14,9 +14,10 @@ from typing import Any
 import ray
 from prefect import task
 
-from draftloop.infra.actors import ensure_ray, kill_actors, remote_target_generator
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.conversations import (
+from draftloop.infra.runtime.ray_cluster import ensure_ray, kill_actors
+from draftloop.infra.synthesis.generator import remote_target_generator
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.synthesis.conversations import (
     CONVERSATIONS_SHARD_PREFIX,
     EVAL_PROMPTS_SHARD,
     REJECTED_SHARD,
@@ -25,12 +26,12 @@ from draftloop.infra.conversations import (
     templated_prompt,
     to_jsonl,
 )
-from draftloop.infra.datasets import input_fingerprint, read_input_from_config
-from draftloop.infra.engine_actors import start_server_actor
-from draftloop.infra.engine_synthesis import input_messages, regenerate_from_config, synthesis_engine
-from draftloop.infra.processes import PidRecord, state_dir
-from draftloop.infra.storage import DatasetWriter, Manifest, storage_options
-from draftloop.infra.targets import ensure_target, target_fingerprint
+from draftloop.infra.synthesis.prompts import input_fingerprint, read_input_from_config
+from draftloop.infra.engines.actors import start_server_actor
+from draftloop.infra.synthesis.engine import input_messages, regenerate_from_config, synthesis_engine
+from draftloop.infra.runtime.processes import PidRecord, state_dir
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, storage_options
+from draftloop.infra.targets.resolve import ensure_target, target_fingerprint
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, execute_stage
 from draftloop.tasks.retry import stage_task_options
@@ -38,7 +39,7 @@ from draftloop.tasks.retry import stage_task_options
 SECTIONS = ("target", "data", "synthesis")
 ROWS_PER_SHARD = 1024
 
-PromptRow = dict[str, Any]  # {"id", "prompt", "messages"?, "category"?} (infra/datasets.py)
+PromptRow = dict[str, Any]  # {"id", "prompt", "messages"?, "category"?} (infra/synthesis/prompts.py)
 
 
 def split_prompts(config: ExperimentConfig, rows: list[PromptRow]) -> tuple[list[PromptRow], list[PromptRow]]:

@@ -1,7 +1,7 @@
 """Stage 3, train: hidden-state shards -> an EAGLE-3 drafter in the engine's native folder format.
 
 Ray Train's `TorchTrainer` runs `training.num_workers` workers (GPUs when `num_gpus_per_worker` > 0,
-gloo on CPU) around kernels/train.py's `train_drafter`; infra/train_worker.py is the worker body (data
+gloo on CPU) around kernels/train.py's `train_drafter`; infra/training/worker.py is the worker body (data
 parallelism, per-epoch checkpoints). Checkpoints go to a local work folder keyed by the stage's cache
 key, so a re-run after a crash resumes from the last complete epoch.
 """
@@ -18,13 +18,13 @@ from prefect import task
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from draftloop.infra.actors import ensure_ray
-from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.runtime.ray_cluster import ensure_ray
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.evaluation.plots import plot_training_curves
-from draftloop.infra.processes import state_dir
-from draftloop.infra.storage import DatasetWriter, Manifest, read_shard, storage_options
-from draftloop.infra.tracking import StageRun
-from draftloop.infra.train_worker import train_loop_per_worker
+from draftloop.infra.runtime.processes import state_dir
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, read_shard, storage_options
+from draftloop.infra.registry.tracking import StageRun
+from draftloop.infra.training.worker import train_loop_per_worker
 from draftloop.kernels.checkpoint import contract_record
 from draftloop.kernels.shards import LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY, shard_metadata_from_bytes
 from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached

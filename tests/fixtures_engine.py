@@ -189,7 +189,7 @@ STABLELM_FIELDS: dict[str, Any] = {
 @pytest.fixture(scope="session")
 def tiny_stablelm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random StableLM built with the zoo's tokenizer and weight recipe."""
-    from draftloop.infra import zoo
+    from draftloop.infra.targets import zoo
 
     recipe = zoo.Recipe(
         name="tiny-stablelm-test",

@@ -96,8 +96,8 @@ def local_services(flow_env: FlowEnv, state: Path) -> Iterator[dict[str, Any]]:
     """`draftloop up` for the session: a Prefect server with prefect.yaml deployed, a process worker and
     an MLflow server on the session's tracking store, its records under `state`. On exit every service
     is stopped by its recorded PID; after a passing body, each must have been alive until then."""
-    from draftloop.infra.processes import is_alive
-    from draftloop.infra.services import down, read_services, up
+    from draftloop.infra.runtime.processes import is_alive
+    from draftloop.infra.runtime.services import down, read_services, up
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DRAFTLOOP_STATE_DIR", str(state))

@@ -36,7 +36,7 @@ def builtin_prompts() -> list[str]:
 @pytest.fixture(scope="session")
 def zoo_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """recipe -> folder of that zoo target (seed 0), built once per session."""
-    from draftloop.infra.zoo import create_tiny_model
+    from draftloop.infra.targets.zoo import create_tiny_model
 
     root = tmp_path_factory.mktemp("sim-zoo")
     built: dict[str, Path] = {}

@@ -64,7 +64,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A page of a headless chromium with a fresh profile, the browser stopped by PID at the end."""
     from playwright.sync_api import sync_playwright
 
-    from draftloop.infra.processes import is_alive, stop_processes
+    from draftloop.infra.runtime.processes import is_alive, stop_processes
 
     profile = tmp_path_factory.mktemp("chromium-profile")
     log = profile.parent / "chromium.log"
@@ -172,8 +172,8 @@ def test_prefect_form_runs_the_flow_and_its_page_shows_the_summary(
 
 def _register_synthetic_versions(flow_env: FlowEnv, name: str) -> list[Any]:
     """Two versions through the project's own registration: v1 becomes champion, v2 is rejected."""
-    from draftloop.infra.config import GateConfig
-    from draftloop.infra.tracking import CycleResults, Tracker, register_drafter
+    from draftloop.infra.runtime.config import GateConfig
+    from draftloop.infra.registry.tracking import CycleResults, Tracker, register_drafter
 
     tracker = Tracker(
         f"sqlite:///{flow_env.workdir}/mlflow.db", str(flow_env.workdir / "mlartifacts"), "browser-registry"

@@ -1,4 +1,4 @@
-"""infra/config.py and `draftloop config validate`: schema, overrides, validation before side effects."""
+"""infra/runtime/config.py and `draftloop config validate`: schema, overrides, validation before side effects."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from moto_s3 import moto_s3_server
 from typer.testing import CliRunner
 
 from draftloop.cli import app
-from draftloop.infra.config import ConfigError, ExperimentConfig
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LLAMA = REPO / "configs" / "tiny-llama.yaml"

@@ -1,8 +1,8 @@
-"""infra/conversations.py: the conversation row both synthesis backends store."""
+"""infra/synthesis/conversations.py: the conversation row both synthesis backends store."""
 
 from __future__ import annotations
 
-from draftloop.infra.conversations import SynthesisResult, split_reasoning
+from draftloop.infra.synthesis.conversations import SynthesisResult, split_reasoning
 
 
 def test_reasoning_is_kept_apart_from_the_answer() -> None:

@@ -242,8 +242,8 @@ def test_train_stage_records_the_contract_from_the_stored_shards(target: Path, t
     """tasks/train.drafter_record: the chat template from the target, the rest from the first shard."""
     from types import SimpleNamespace
 
-    from draftloop.infra.config import ExperimentConfig
-    from draftloop.infra.storage import DatasetWriter
+    from draftloop.infra.runtime.config import ExperimentConfig
+    from draftloop.infra.runtime.storage import DatasetWriter
     from draftloop.kernels.shards import TARGET_DTYPE_KEY, shard_metadata, shard_to_bytes
     from draftloop.tasks.train import drafter_record
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from fixtures_engine import require_vllm_env, vllm_settings
 
-from draftloop.infra.actors import HiddenStateExtractor
-from draftloop.infra.engine_extraction import (
+from draftloop.infra.extraction.extractor import HiddenStateExtractor
+from draftloop.infra.extraction.engine import (
     EngineExtractionError,
     extract_through_server,
     extraction_engine,

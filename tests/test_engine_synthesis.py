@@ -17,8 +17,8 @@ import httpx
 import pytest
 from fixtures_engine import require_vllm_env, vllm_settings
 
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.engine_synthesis import (
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.synthesis.engine import (
     RequestPolicy,
     parse_chat_answer,
     regenerate_conversations,
@@ -347,7 +347,7 @@ def test_multi_turn_regeneration_on_vllm_with_reasoning_parser(thinking_server: 
 
 
 def test_engine_path_refuses_over_long_prompts_before_any_request(tmp_path: Path) -> None:
-    from draftloop.infra.zoo import create_tiny_model
+    from draftloop.infra.targets.zoo import create_tiny_model
     from draftloop.tasks import synthesize
 
     target = tmp_path / "tiny-llama"

@@ -119,7 +119,7 @@ def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
 
 
 def test_target_trust_remote_code_reaches_both_servers_and_the_serving_command(tmp_path: Path) -> None:
-    from draftloop.infra.config import ExperimentConfig
+    from draftloop.infra.runtime.config import ExperimentConfig
 
     def config(trust: bool, kind: str) -> Any:
         overrides = {

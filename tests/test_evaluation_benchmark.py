@@ -14,8 +14,8 @@ from fake_engine import fake_engine
 from test_evaluation_run import _sim, saved_drafter
 
 from draftloop.data.make_prompts import make_prompts
-from draftloop.infra.config import GateConfig
-from draftloop.infra.datasets import builtin_prompts_path
+from draftloop.infra.runtime.config import GateConfig
+from draftloop.infra.synthesis.prompts import builtin_prompts_path
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.evaluation.benchmark import (
@@ -40,7 +40,7 @@ from draftloop.infra.evaluation.verdict import (
     LevelSpeedup,
     level_speedups,
 )
-from draftloop.infra.tracking import CycleResults, description_table, evaluate_gate
+from draftloop.infra.registry.tracking import CycleResults, description_table, evaluate_gate
 from draftloop.kernels.counters import SpecCounters
 
 FAKE_AL = 1.0 + 0.6 + 0.4 + 0.2  # the fake speculative server's per-position acceptance, summed

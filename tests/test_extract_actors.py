@@ -17,16 +17,17 @@ import yaml
 from fixtures_flow import REPO_ROOT
 from moto_s3 import moto_s3_server
 
-from draftloop.infra.actors import ExtractedShards, HiddenStateExtractor, tokenize_conversation
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.conversations import (
+from draftloop.infra.extraction.extractor import ExtractedShards, HiddenStateExtractor
+from draftloop.infra.extraction.tokenize import tokenize_conversation
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.synthesis.conversations import (
     CONVERSATIONS_SHARD_PREFIX,
     conversation_count,
     iter_conversations,
     read_conversations,
     to_jsonl,
 )
-from draftloop.infra.storage import (
+from draftloop.infra.runtime.storage import (
     DatasetWriter,
     Manifest,
     ShardInfo,
@@ -144,7 +145,7 @@ def test_skipped_conversations_come_back_as_a_count_and_a_few_examples(
 def test_slices_read_only_the_conversation_shards_they_need(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from draftloop.infra import conversations as module
+    from draftloop.infra.synthesis import conversations as module
 
     rows = _conversations(23, 2)
     manifest = _synthesized(str(tmp_path / "synth"), rows)
@@ -196,7 +197,7 @@ def test_extract_through_ray_actors_commits_what_they_wrote(
     zoo_target_dir: Any, extractor: HiddenStateExtractor, tmp_path: Path
 ) -> None:
     """The task's path: two Ray actors each extract a slice; the driver sees ShardInfo only."""
-    from draftloop.infra.actors import ensure_ray
+    from draftloop.infra.runtime.ray_cluster import ensure_ray
     from draftloop.tasks.extract import _extract_in_process, _slices
 
     ensure_ray(num_cpus=2)

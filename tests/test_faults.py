@@ -58,14 +58,14 @@ from fault_harness import (
 from fixtures_flow import FlowEnv
 from moto_s3 import DUMMY_CREDENTIALS
 
-from draftloop.infra.storage import (
+from draftloop.infra.runtime.storage import (
     DatasetWriter,
     ManifestNotFoundError,
     read_manifest,
     read_shard,
     storage_options,
 )
-from draftloop.infra.train_worker import CHECKPOINT_DONE
+from draftloop.infra.training.worker import CHECKPOINT_DONE
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import pack_hidden_shard, shard_chunks, shard_metadata
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def _manifest(uri: str) -> Any:
-    from draftloop.infra.storage import read_manifest
+    from draftloop.infra.runtime.storage import read_manifest
 
     return read_manifest(uri)
 
@@ -60,7 +60,7 @@ def test_second_run_hits_every_stage_cache(
 
 
 def yaml_config(env: FlowEnv, overrides: dict[str, Any] | None = None) -> Any:
-    from draftloop.infra.config import ExperimentConfig
+    from draftloop.infra.runtime.config import ExperimentConfig
 
     return ExperimentConfig.load(env.config_path, overrides or {})
 
@@ -140,8 +140,8 @@ def _assert_same_as_uninterrupted(
     import torch
     from safetensors.torch import load
 
-    from draftloop.infra.storage import read_shard
-    from draftloop.infra.train_worker import train_worker
+    from draftloop.infra.runtime.storage import read_shard
+    from draftloop.infra.training.worker import train_worker
     from draftloop.tasks.train import loop_config
 
     hidden = SimpleNamespace(manifest=_manifest(resumed["stages"]["extract"]["uri"]))
@@ -239,7 +239,7 @@ def test_training_with_two_ddp_workers(flow_env: FlowEnv, first_cycle: tuple[dic
     assert not summary["stages"]["train"]["cache_hit"]
     manifest = _manifest(summary["stages"]["train"]["uri"])
     assert manifest.summary["workers"] == 2
-    from draftloop.infra.storage import read_shard
+    from draftloop.infra.runtime.storage import read_shard
 
     history = json.loads(read_shard(manifest, "training_history.json"))["history"]
     # Steps do not depend on the worker count: 8 samples per step over both workers, 3 steps per epoch.

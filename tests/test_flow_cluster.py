@@ -22,7 +22,7 @@ from moto_s3 import moto_s3_server
 from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from draftloop.infra.services import TeamBackends
+from draftloop.infra.runtime.services import TeamBackends
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,8 @@ def _cluster_config(workdir: Path, target_dir: Path) -> Path:
 @contextmanager
 def team_services(root: Path, backends: TeamBackends) -> Iterator[tuple[str, str]]:
     """`draftloop up --profile team` without worker or deployments; yields (Prefect API, MLflow URL)."""
-    from draftloop.infra.processes import is_alive
-    from draftloop.infra.services import down, read_services, up
+    from draftloop.infra.runtime.processes import is_alive
+    from draftloop.infra.runtime.services import down, read_services, up
 
     try:
         services = up(root, team=backends, start_worker=False, deploy=False, gpus=1)

@@ -20,7 +20,7 @@ def test_deployment_run_completes_the_cycle(
     first_cycle: tuple[dict[str, Any], float],
     tmp_path: Path,
 ) -> None:
-    from draftloop.infra.services import read_services
+    from draftloop.infra.runtime.services import read_services
 
     first, _ = first_cycle
     config_uri = first["run_folder"]

@@ -13,7 +13,7 @@ from prefect.utilities.callables import parameter_schema
 
 from draftloop.flows.cycle import TrainAndEvalParams, run_cycle
 from draftloop.flows.train_and_eval import train_and_eval
-from draftloop.infra.services import deployment_run_command
+from draftloop.infra.runtime.services import deployment_run_command
 from draftloop.tasks.cache import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

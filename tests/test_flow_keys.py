@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.tasks import evaluate, extract, synthesize, train
 from draftloop.tasks.cache import cache_key, find_committed, run_cached, stage_uri
 
@@ -67,7 +67,7 @@ def test_keys_follow_exactly_the_inputs_a_stage_reads(tmp_path: Path) -> None:
 
 
 def test_only_a_committed_manifest_with_the_same_key_is_a_cache_hit(tmp_path: Path) -> None:
-    from draftloop.infra.storage import DatasetWriter
+    from draftloop.infra.runtime.storage import DatasetWriter
 
     config = _config(tmp_path)
     calls: list[str] = []
@@ -155,8 +155,8 @@ def test_only_transient_failures_are_retried() -> None:
 _CONCURRENT_RUN = """
 import json, sys, time
 from pathlib import Path
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.storage import DatasetWriter
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.storage import DatasetWriter
 from draftloop.tasks.cache import run_cached
 
 config_path, root, counter = sys.argv[1:4]

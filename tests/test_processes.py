@@ -1,4 +1,4 @@
-"""infra/processes.py: liveness that sees through zombies, TERM-then-KILL of process groups, and the
+"""infra/runtime/processes.py: liveness that sees through zombies, TERM-then-KILL of process groups, and the
 reaping of what a killed run left running."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftloop.infra.processes import PidRecord, is_alive, reap_dead_records, stop_processes
+from draftloop.infra.runtime.processes import PidRecord, is_alive, reap_dead_records, stop_processes
 
 
 def _state(pid: int) -> str:
@@ -129,7 +129,7 @@ def _hold(path: Path, holder: str, seconds: float) -> subprocess.Popen[str]:
 
 
 def test_a_held_lock_is_waited_for_and_one_whose_holder_died_is_not(tmp_path: Path, monkeypatch) -> None:
-    from draftloop.infra.processes import held_exclusively
+    from draftloop.infra.runtime.processes import held_exclusively
 
     monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path))
     lock = tmp_path / "locks" / "cycle-train-abc.lock"

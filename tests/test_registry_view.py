@@ -13,7 +13,7 @@ import mlflow
 import yaml
 from fixtures_registry import drafter_card, fake_drafter
 
-from draftloop.infra.tracking import (
+from draftloop.infra.registry.tracking import (
     CHAMPION_ALIAS,
     DRAFTER_FLAVOR,
     ChampionFigures,

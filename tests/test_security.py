@@ -16,13 +16,13 @@ import pytest
 import yaml
 from fixtures_flow import FlowEnv, run_cycle_in_process
 
-from draftloop.infra import storage
-from draftloop.infra.config import ConfigError, ExperimentConfig
+from draftloop.infra.runtime import storage
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.infra.engines.base import EngineConfigError, EngineSettings, ServerSpec, is_loopback
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.engines.vllm import VllmEngine
 from draftloop.infra.evaluation.benchmark import _Client
-from draftloop.infra.redaction import (
+from draftloop.infra.runtime.redaction import (
     REDACTED,
     install_log_redaction,
     redact,
@@ -218,16 +218,18 @@ def test_an_exposed_engine_gets_its_key_and_clients_send_it(tmp_path: Path) -> N
 
 
 def test_trust_remote_code_is_off_unless_the_config_trusts_the_target(tmp_path: Path) -> None:
-    from draftloop.infra import actors
+    from draftloop.infra.extraction import extractor
+    from draftloop.infra.synthesis import generator
 
     config = ExperimentConfig.from_dict(_raw_config(tmp_path, {}), check_environment=False)
     assert config.target.trust_remote_code is False
     with (
-        mock.patch.object(actors.AutoTokenizer, "from_pretrained") as tokenizer,
-        mock.patch.object(actors.AutoModelForCausalLM, "from_pretrained") as model,
+        # Both actors import the same transformers classes: one patch covers both.
+        mock.patch.object(generator.AutoTokenizer, "from_pretrained") as tokenizer,
+        mock.patch.object(generator.AutoModelForCausalLM, "from_pretrained") as model,
     ):
-        actors.TargetGenerator(config.target.path, device="cpu")
-        actors.HiddenStateExtractor(config.target.path, [0, 1, 2], "layer_input", device="cpu")
+        generator.TargetGenerator(config.target.path, device="cpu")
+        extractor.HiddenStateExtractor(config.target.path, [0, 1, 2], "layer_input", device="cpu")
     assert [call.kwargs["trust_remote_code"] for call in tokenizer.call_args_list] == [False, False]
     assert [call.kwargs["trust_remote_code"] for call in model.call_args_list] == [False, False]
 

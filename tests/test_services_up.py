@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 from draftloop.cli import app
 from draftloop.flows.cycle import TrainAndEvalParams
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.processes import is_alive
-from draftloop.infra.services import GPU_LIMIT, Service, stage_gpus, with_driver
-from draftloop.infra.storage import Manifest
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import is_alive
+from draftloop.infra.runtime.services import GPU_LIMIT, Service, stage_gpus, with_driver
+from draftloop.infra.runtime.storage import Manifest
 from draftloop.tasks.cache import StageOutcome, StageWork
 from draftloop.tasks.cycle import CycleContext, execute_stage
 
@@ -236,7 +236,7 @@ def test_up_starts_a_light_mlflow_and_the_gpu_limit_a_stage_holds(
     from prefect.concurrency.services import ConcurrencySlotAcquisitionWithLeaseService
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from draftloop.infra.services import down, read_services, up
+    from draftloop.infra.runtime.services import down, read_services, up
 
     monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path / "state"))
     started = time.monotonic()

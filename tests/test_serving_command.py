@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.tasks.register import serving_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

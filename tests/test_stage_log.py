@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from draftloop.infra.ray_logging import RAY_TRAIN_CLEANER_LOGGER, quiet_ray_train_cleaner
+from draftloop.infra.runtime.ray_logging import RAY_TRAIN_CLEANER_LOGGER, quiet_ray_train_cleaner
 from draftloop.tasks.cycle import stage_report
 
 

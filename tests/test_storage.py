@@ -1,4 +1,4 @@
-"""infra/storage.py: atomic shards, manifests as commit points, integrity checks, local and S3."""
+"""infra/runtime/storage.py: atomic shards, manifests as commit points, integrity checks, local and S3."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from moto_s3 import moto_s3_server
 
-from draftloop.infra import storage
-from draftloop.infra.storage import (
+from draftloop.infra.runtime import storage
+from draftloop.infra.runtime.storage import (
     DatasetWriter,
     ManifestNotFoundError,
     ShardIntegrityError,

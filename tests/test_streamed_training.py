@@ -231,7 +231,7 @@ def _worker_loop(root: Path, work: str, held_out: int = 0) -> dict[str, Any]:
 
 
 def _train_worker_process(rank: int, world: int, root: str) -> None:
-    from draftloop.infra.train_worker import train_worker
+    from draftloop.infra.training.worker import train_worker
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world)
@@ -247,7 +247,7 @@ def _write_hidden_dataset(root: Path, sizes: Sequence[int]) -> None:
     """A tiny target under root/target and a committed hidden-state dataset under root/hidden."""
     from transformers import AutoModelForCausalLM
 
-    from draftloop.infra.storage import DatasetWriter
+    from draftloop.infra.runtime.storage import DatasetWriter
     from draftloop.kernels.shards import pack_hidden_shard, shard_metadata, shard_to_bytes
 
     torch.manual_seed(0)
@@ -284,7 +284,7 @@ def test_train_worker_exports_the_best_held_out_epoch(
     estimate itself is tested in test_simulate / test_acceptance_training."""
     from safetensors.torch import load_file
 
-    import draftloop.infra.train_worker as worker
+    import draftloop.infra.training.worker as worker
     from draftloop.kernels.counters import SpecCounters
 
     rigged = iter([1.2, 1.8, 1.5])
@@ -322,7 +322,7 @@ def test_train_worker_resumes_mid_epoch_on_two_workers(tmp_path: Path) -> None:
     1-worker run, resumed by 2 workers, it ends with the drafter of an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from draftloop.infra.train_worker import latest_checkpoint, train_worker
+    from draftloop.infra.training.worker import latest_checkpoint, train_worker
 
     _write_hidden_dataset(tmp_path, [6, 3, 8, 2, 7])
 

@@ -1,4 +1,4 @@
-"""MLflow tracking, registry and gate (no engine, no flow): infra/tracking.py against a real SQLite MLflow."""
+"""MLflow tracking, registry and gate (no engine, no flow): infra/registry/tracking.py against a real SQLite MLflow."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from fixtures_registry import drafter_card, fake_drafter
 
 from draftloop.infra.evaluation.plots import plot_training_curves
-from draftloop.infra.tracking import (
+from draftloop.infra.registry.tracking import (
     CHAMPION_ALIAS,
     CycleResults,
     Tracker,

@@ -232,7 +232,7 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
     """training.train_lm_head / adam_betas / lr_schedule in a config reach the workers' TrainConfig."""
     import yaml
 
-    from draftloop.infra.config import ConfigError, ExperimentConfig
+    from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
     from draftloop.tasks import train as train_task
 
     raw = yaml.safe_load((Path(__file__).parent.parent / "configs" / "tiny-llama.yaml").read_text())
@@ -257,7 +257,7 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
 
 
 def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from draftloop.infra.train_worker import _build_drafter
+    from draftloop.infra.training.worker import _build_drafter
 
     model = copy.deepcopy(target_and_samples[0])
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""infra/zoo.py and `draftloop models create`: tiny targets that load, generate and are reproducible."""
+"""infra/targets/zoo.py and `draftloop models create`: tiny targets that load, generate and are reproducible."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from draftloop.cli import app
-from draftloop.infra.datasets import read_input
-from draftloop.infra.zoo import EOS_TOKEN_ID, RECIPES, SPECIAL_TOKENS, create_tiny_model, ensure_model
+from draftloop.infra.synthesis.prompts import read_input
+from draftloop.infra.targets.zoo import EOS_TOKEN_ID, RECIPES, SPECIAL_TOKENS, create_tiny_model, ensure_model
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 64  # the cycle's evaluation.max_tokens for tiny-deepseek

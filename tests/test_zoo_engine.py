@@ -1,6 +1,6 @@
 """tiny-deepseek served by vLLM (CPU, bfloat16) gives transformers' bfloat16 greedy tokens.
 
-The zoo's code rule (infra/zoo.py) gives every step a wide top-1 margin, so the two bf16
+The zoo's code rule (infra/targets/zoo.py) gives every step a wide top-1 margin, so the two bf16
 implementations (different MLA and MoE kernels, different summation orders) must agree token for token
 on the cycle's own eval prompts; a near-tie model parts ways within a few dozen tokens.
 """
@@ -17,7 +17,7 @@ from test_zoo import NEW_TOKENS, cycle_eval_prompts, greedy_one_by_one
 
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.engines.server import EngineServer
-from draftloop.infra.zoo import create_tiny_model
+from draftloop.infra.targets.zoo import create_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

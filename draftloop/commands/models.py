@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from draftloop.infra.zoo import RECIPES, create_tiny_model
+from draftloop.infra.targets.zoo import RECIPES, create_tiny_model
 
 models_app = typer.Typer(help="Tiny random-weight targets built locally from a seed.", no_args_is_help=True)
 

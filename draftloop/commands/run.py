@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options, read_data_or_exit
-from draftloop.infra.processes import state_dir
+from draftloop.infra.runtime.processes import state_dir
 from draftloop.tasks.cache import STAGES
 
 # The demo's config: a tiny random-weight Llama built locally, served by vLLM on CPU.
@@ -84,7 +84,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def bad_input_behind(error: BaseException) -> BaseException | None:
     """The user-input error (a refused drafter/target pairing, an unreadable checkpoint, bad prompt data)
     a stage failure comes from, if any: the cycle then exits 2 with its one-line message."""
-    from draftloop.infra.datasets import DataError
+    from draftloop.infra.synthesis.prompts import DataError
     from draftloop.infra.engines.base import EngineConfigError
     from draftloop.kernels.checkpoint import DrafterFormatError
 

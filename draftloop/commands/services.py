@@ -1,4 +1,4 @@
-"""`draftloop up` / `draftloop down`: Prefect server + worker + MLflow server (infra/services.py)."""
+"""`draftloop up` / `draftloop down`: Prefect server + worker + MLflow server (infra/runtime/services.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftloop.infra.services import (
+from draftloop.infra.runtime.services import (
     GPU_LIMIT,
     PROFILES,
     QUICK_RUN_PARAMS,
@@ -20,8 +20,8 @@ from draftloop.infra.services import (
     services_dir,
     with_driver,
 )
-from draftloop.infra.services import down as stop_services
-from draftloop.infra.services import up as start_services
+from draftloop.infra.runtime.services import down as stop_services
+from draftloop.infra.runtime.services import up as start_services
 
 # (option, environment variable, what it holds) of the team profile's backends.
 TEAM_OPTIONS = (

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftloop.infra.config import ConfigError, ExperimentConfig
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 
 # The same default as `draftloop run`/`demo` and the flow's form: its store is `draftloop up`'s.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
@@ -92,7 +92,7 @@ def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleR
     # MLflow's download progress bars off (an environment default it sets).
     from mlflow.tracking import MlflowClient
 
-    from draftloop.infra.tracking import resolve_tracking_uri
+    from draftloop.infra.registry.tracking import resolve_tracking_uri
 
     client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
     found = client.get_experiment_by_name(experiment)

@@ -42,8 +42,8 @@ from draftloop.infra.engines.base import (
     ServerSpec,
     is_loopback,
 )
-from draftloop.infra.processes import PidRecord, is_alive, stop_processes
-from draftloop.infra.redaction import redact_text
+from draftloop.infra.runtime.processes import PidRecord, is_alive, stop_processes
+from draftloop.infra.runtime.redaction import redact_text
 
 SHM_DIR = Path("/dev/shm")
 PIDFILE_DIR_NAME = "engine-servers"

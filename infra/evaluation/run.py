@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from draftloop.infra.config import ExperimentConfig
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.engines.base import Engine, EngineConfigError, EngineError, read_json
 from draftloop.infra.engines.pairing import ServingContract, check_drafter_pairing
 from draftloop.infra.evaluation.benchmark import BenchmarkPlan, ServerRun, benchmark_server

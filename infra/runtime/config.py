@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from draftloop.infra import zoo
+from draftloop.infra.targets import zoo
 from draftloop.infra.engines.base import (
     EngineConfigError,
     EngineSettings,
@@ -76,7 +76,7 @@ class DataConfig(_Section):
     max_length: int = Field(default=256, ge=8)
     chat_template: str = "auto"
     # auto: each file's format from its rows; prompt {id, prompt}; sharegpt {conversations: [{from, value}]};
-    # openai {messages: [{role, content}]} (JSONL or parquet, local or S3; infra/datasets.py)
+    # openai {messages: [{role, content}]} (JSONL or parquet, local or S3; infra/synthesis/prompts.py)
     format: Literal["auto", "prompt", "sharegpt", "openai"] = "auto"
     # skip: a bad row goes to rejected.jsonl (file, line, reason); fail: the first bad row ends the run
     on_bad_row: Literal["skip", "fail"] = "skip"

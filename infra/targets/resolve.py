@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from draftloop.infra.config import ConfigError, ExperimentConfig
-from draftloop.infra.zoo import create_tiny_model
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
+from draftloop.infra.targets.zoo import create_tiny_model
 
 
 def ensure_target(config: ExperimentConfig) -> str:

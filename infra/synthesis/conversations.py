@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftloop.infra.storage import Manifest, StorageOptions, read_shard
+from draftloop.infra.runtime.storage import Manifest, StorageOptions, read_shard
 
 CONVERSATIONS_SHARD_PREFIX = "conversations-"
 EVAL_PROMPTS_SHARD = "eval_prompts.jsonl"
@@ -63,7 +63,7 @@ class SynthesisResult:
         self.rejected.append({"id": row_id, "reason": reason})
 
     def add_answer(self, prompt: Mapping[str, Any], content: str, reasoning: str | None) -> None:
-        """Keep the target's answer to `prompt` (an input row, infra/datasets.py) after its first user turn
+        """Keep the target's answer to `prompt` (an input row, infra/synthesis/prompts.py) after its first user turn
         (system turns kept); an empty answer is a rejection."""
         if not content:
             self.reject(prompt["id"], "empty answer")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from draftloop.infra.storage import StorageOptions, filesystem, is_local
+from draftloop.infra.runtime.storage import StorageOptions, filesystem, is_local
 
 BUILTIN_PROMPTS = "builtin"  # data.prompts naming the prompts bundled with draftloop
 
@@ -76,7 +76,7 @@ class InputData:
 
 
 def builtin_prompts_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "draftloop" / "data" / "prompts.jsonl"
+    return Path(__file__).resolve().parents[2] / "draftloop" / "data" / "prompts.jsonl"
 
 
 def _input_files(source: str, options: StorageOptions | None) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.storage import Manifest, StorageOptions, read_shard
+from draftloop.infra.runtime.storage import Manifest, StorageOptions, read_shard
 from draftloop.kernels.checkpoint import load_drafter, load_target_head
 from draftloop.kernels.data import ShardedSamples, ShardRef, split_held_out
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter

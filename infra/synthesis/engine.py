@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.conversations import SynthesisResult, split_reasoning
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.synthesis.conversations import SynthesisResult, split_reasoning
 from draftloop.infra.engines.base import Engine, get_engine
 
 Message = dict[str, Any]  # {"role", "content"} (+ "reasoning" on a regenerated assistant turn)

@@ -28,11 +28,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from draftloop.infra.actors import ensure_ray, tokenize_conversation
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.engine_actors import start_server_actor
+from draftloop.infra.extraction.tokenize import tokenize_conversation
+from draftloop.infra.runtime.ray_cluster import ensure_ray
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.engines.actors import start_server_actor
 from draftloop.infra.engines.base import Engine, ExtractedHiddenStates, get_engine
-from draftloop.infra.processes import PidRecord, state_dir
+from draftloop.infra.runtime.processes import PidRecord, state_dir
 from draftloop.kernels.families.base import family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import TARGET_DTYPE_KEY, pack_hidden_shard, shard_metadata, shard_to_bytes

@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from draftloop.infra.config import ExperimentConfig
-from draftloop.infra.processes import is_alive, state_dir, stop_processes
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import is_alive, state_dir, stop_processes
 
 WORK_POOL = "draftloop"
 SERVICE_NAMES = ("prefect-server", "mlflow", "prefect-worker")

@@ -243,7 +243,7 @@ def get_recipe(name: str) -> Recipe:
 
 
 def _builtin_prompt_texts() -> list[str]:
-    path = Path(__file__).resolve().parent.parent / "draftloop" / "data" / "prompts.jsonl"
+    path = Path(__file__).resolve().parents[2] / "draftloop" / "data" / "prompts.jsonl"
     texts = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():

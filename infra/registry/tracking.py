@@ -31,8 +31,8 @@ from mlflow.models.model import MLMODEL_FILE_NAME
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS, MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
-from draftloop.infra.config import ExperimentConfig, GateConfig
-from draftloop.infra.redaction import redact, redact_text, redacted_copy
+from draftloop.infra.runtime.config import ExperimentConfig, GateConfig
+from draftloop.infra.runtime.redaction import redact, redact_text, redacted_copy
 
 CHAMPION_ALIAS = "champion"
 # The experiment-type tag MLflow 3's UI reads: without it the UI may infer "GenAI" and open on an empty

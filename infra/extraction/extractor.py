@@ -1,0 +1,153 @@
+"""The Hugging Face target capturing aux + final hidden states into shards (a Ray actor in the flow)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftloop.infra.extraction.tokenize import tokenize_conversation
+from draftloop.infra.runtime.ray_cluster import remote_options
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
+from draftloop.infra.synthesis.conversations import iter_conversations
+from draftloop.kernels.extract import extract_hidden_states
+from draftloop.kernels.layer_ids import LayerIds, normalize_convention
+from draftloop.kernels.shards import shard_chunks
+
+
+_SKIP_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class ExtractedShards:
+    """What an extraction actor returns: the shards it wrote (their ShardInfo, never their bytes)."""
+
+    shards: list[ShardInfo]
+    tokens: int
+    skipped: int  # conversations with no assistant token within data.max_length
+    skip_examples: list[dict[str, str]]  # the first few of them, {"id", "reason"}
+    seconds: float
+
+
+class HiddenStateExtractor:
+    """Hosts the HF target and captures aux + final hidden states (a Ray actor in the flow)."""
+
+    def __init__(
+        self,
+        target_path: str,
+        aux_layer_ids: Sequence[int],
+        convention: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        trust_remote_code: bool = False,  # run the folder's own code: only for a target.trust_remote_code
+    ) -> None:
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, dtype)
+        self.target_path = target_path
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            target_path, dtype=self.dtype, trust_remote_code=trust_remote_code
+        )
+        self.model: Any = model.to(self.device).eval()
+        self.layer_ids = LayerIds(tuple(int(i) for i in aux_layer_ids), normalize_convention(convention)).to(
+            "layer_input"
+        )
+        # Hooks capture from one process; keep the thread count to what Ray gave this actor.
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+    def extract_slice(
+        self,
+        conversations: Manifest,
+        start: int,
+        end: int,
+        dataset_uri: str,
+        options: StorageOptions,
+        shard_prefix: str,
+        samples_per_shard: int,
+        max_length: int,
+        batch_size: int = 4,
+    ) -> ExtractedShards:
+        """As :meth:`extract` over conversations `start`..`end` of a synthesize dataset, read here from
+        storage one shard at a time (so the driver never holds the conversations either)."""
+        rows = iter_conversations(conversations, start, end, options)
+        return self.extract(
+            rows, dataset_uri, options, shard_prefix, samples_per_shard, max_length, batch_size
+        )
+
+    def extract(
+        self,
+        conversations: Iterable[dict[str, Any]],
+        dataset_uri: str,
+        options: StorageOptions,
+        shard_prefix: str,
+        samples_per_shard: int,
+        max_length: int,
+        batch_size: int = 4,
+    ) -> ExtractedShards:
+        """Capture every conversation and write its shards into the dataset folder `dataset_uri`.
+
+        Conversations are tokenized as the batches are consumed; forward passes, device-to-host copies
+        and shard writes overlap (kernels.extract), and each shard is streamed from host memory to
+        storage. Only the shards' ShardInfo come back: the driver lists them in the one manifest it
+        commits, so no hidden state passes through it or Ray's object store.
+        """
+        skipped = 0
+        skip_examples: list[dict[str, str]] = []
+
+        def batches() -> Iterator[list[dict[str, Any]]]:
+            nonlocal skipped
+            batch: list[dict[str, Any]] = []
+            for row in conversations:
+                ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
+                if sum(mask) == 0:
+                    skipped += 1
+                    if len(skip_examples) < _SKIP_EXAMPLES:
+                        skip_examples.append(
+                            {"id": row["id"], "reason": "no assistant tokens within data.max_length"}
+                        )
+                    continue
+                batch.append(
+                    {
+                        "input_ids": torch.tensor(ids, dtype=torch.long),
+                        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                    }
+                )
+                if len(batch) == batch_size:
+                    yield batch
+                    batch = []
+            if batch:
+                yield batch
+
+        # Never commits: the driver adopts these shards into its own writer and writes the manifest.
+        writer = DatasetWriter(dataset_uri, storage_options=options)
+
+        def sink(name: str, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
+            rows = int(tensors["seq_offsets"].shape[0]) - 1
+            writer.write_shard_chunks(name, shard_chunks(tensors, metadata), rows=rows)
+
+        stats = extract_hidden_states(
+            self.model,
+            batches(),
+            self.layer_ids,
+            sink,
+            target_name=self.target_path,
+            samples_per_shard=samples_per_shard,
+            shard_prefix=shard_prefix,
+            store_dtype=self.dtype,
+        )
+        return ExtractedShards(
+            shards=sorted(writer.shards, key=lambda info: info.name),
+            tokens=stats.tokens,
+            skipped=skipped,
+            skip_examples=skip_examples,
+            seconds=stats.seconds,
+        )
+
+
+def remote_hidden_state_extractor(num_gpus: float) -> Any:
+    return ray.remote(**remote_options(num_gpus))(HiddenStateExtractor)
