@@ -567,8 +567,8 @@ def one_seed(
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftloop.infra.synthesis.conversations import read_eval_prompts
     from draftloop.infra.runtime.storage import storage_options
+    from draftloop.infra.synthesis.conversations import read_eval_prompts
 
     import_speculators()
     config = experiment_config(workdir, args.samples, args.epochs)

@@ -162,8 +162,8 @@ def _config(workdir: Path, samples: int) -> Any:
 
 def _synthetic_conversations(config: Any, samples: int) -> Any:
     """A synthesize-stage outcome holding `samples` conversations of varied length (seeded)."""
-    from draftloop.infra.synthesis.conversations import CONVERSATIONS_SHARD_PREFIX, to_jsonl
     from draftloop.infra.runtime.storage import DatasetWriter, join
+    from draftloop.infra.synthesis.conversations import CONVERSATIONS_SHARD_PREFIX, to_jsonl
     from draftloop.tasks.cache import StageOutcome
 
     rng = random.Random(0)

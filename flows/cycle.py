@@ -1,22 +1,21 @@
 """The cycle's body, run by the `train-and-eval` flow (whole, or up to one stage).
 
-Only composition lives here: which stage feeds which, the cycle's MLflow parent run, Ray's lifetime,
-the summary. Caching is per stage (committed manifests keyed by config sections + upstream hashes,
-tasks/cache.py), so re-running after a failure resumes at the failed stage.
+Only composition lives here: the pipeline's stages run in order (flows/pipeline.py), inside the
+cycle's MLflow parent run; Ray's lifetime; the summary. Caching is per stage (committed manifests keyed
+by config sections + upstream hashes, tasks/cache.py), so re-running after a failure resumes at the
+failed stage.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-import ray._private.worker as ray_worker
 import yaml
 from prefect import Flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -25,18 +24,16 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 from pydantic import BaseModel, Field
 
+from draftloop.flows.pipeline import CYCLE
+from draftloop.infra.registry.tracking import StageRun, Tracker, flatten_params, format_figure
 from draftloop.infra.runtime import ray_cluster
 from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.internals import ephemeral_prefect_server_pids
 from draftloop.infra.runtime.processes import PidRecord, pid_records_dir, reap_dead_records
 from draftloop.infra.runtime.redaction import install_log_redaction, redact, register_secrets, secret_values
-from draftloop.infra.registry.tracking import StageRun, Tracker, flatten_params, format_figure
-from draftloop.tasks.cache import STAGES
 from draftloop.tasks.cycle import CycleContext, cycle_pids, run_folder_uri
-from draftloop.tasks.evaluate import evaluate_stage
-from draftloop.tasks.extract import extract_stage
-from draftloop.tasks.register import register_stage
-from draftloop.tasks.synthesize import synthesize_stage
-from draftloop.tasks.train import train_stage
+from draftloop.tasks.stage import Pipeline, submit, typed_summary
+from draftloop.tasks.summaries import EvaluationSummary, RegistrationSummary, TrainingSummary
 
 # Tokenizers must not start a thread pool in every Ray worker (read when a tokenizer first runs).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -95,34 +92,20 @@ def _run_id() -> str:
 def _record_driver_services() -> None:
     """Record the ephemeral Prefect server this driver started (Prefect runs one per process when no
     PREFECT_API_URL is set), so that the next run stops it if this driver is killed."""
-    # Not imported (seconds of start-up) unless Prefect started a server in this process already.
-    server_module = sys.modules.get("prefect.server.api.server")
-    if server_module is None:
-        return
-    pids = [
-        server.server_process.pid
-        # Prefect keeps its ephemeral servers in this registry (one per port); there is no public one.
-        for server in server_module.SubprocessASGIServer._instances.values()
-        if server.server_process is not None and server.server_process.poll() is None
-    ]
+    pids = ephemeral_prefect_server_pids()
     if pids:
         PidRecord(pid_records_dir() / f"driver-{os.getpid()}.json").add("prefect-server", pids)
-
-
-def _record_ray_pids(ctx: CycleContext) -> None:
-    """Ray's head processes started by this driver, so a cancelled/crashed run can stop them by PID."""
-    node = ray_worker._global_node
-    if node is not None:
-        pids = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
-        ctx.pids.add("ray", pids)
 
 
 def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, Any]:
     """summary.json: acceptance, speedup per concurrency, registered version, stage timings, cache hits."""
     evaluation = ctx.outcomes.get("evaluate")
     registration = ctx.outcomes.get("register")
-    training = ctx.outcomes["train"].manifest.summary if "train" in ctx.outcomes else {}
-    results = evaluation.manifest.summary.get("results", {}) if evaluation else {}
+    training = ctx.outcomes.get("train")
+    evaluated = typed_summary(evaluation, EvaluationSummary) if evaluation else None
+    registered = typed_summary(registration, RegistrationSummary) if registration else None
+    trained = typed_summary(training, TrainingSummary) if training else None
+    results: dict[str, Any] = evaluated.results if evaluated else {}
     return {
         "run_id": ctx.run_id,
         "config": ctx.config.name,
@@ -134,23 +117,28 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "simulator_acceptance_rate": results.get("simulator_acceptance_rate"),
         "consistent": results.get("consistent"),
         "lossless": results.get("lossless"),
-        "verdict": evaluation.manifest.summary.get("verdict") if evaluation else None,
+        "verdict": evaluated.verdict if evaluated else None,
         "speedup": results.get("speedup"),
         "speedup_status": results.get("speedup_status"),
         "throughput": results.get("throughput"),
         "recommended_k": results.get("recommended_k"),
-        "k_sweep": evaluation.manifest.summary.get("k_sweep") if evaluation else None,
+        "k_sweep": evaluated.k_sweep if evaluated else None,
         # The drafter evaluated and registered: the training epoch with the best held-out acceptance.
         "drafter_epoch": {
-            "exported_epoch": training.get("exported_epoch"),
-            "held_out_acceptance_length": training.get("exported_held_out_acceptance_length"),
-            "per_epoch": training.get("held_out_acceptance_length"),
+            "exported_epoch": trained.exported_epoch,
+            "held_out_acceptance_length": trained.exported_held_out_acceptance_length,
+            "per_epoch": trained.held_out_acceptance_length,
         }
-        if training
+        if trained
         else None,
-        "registered_model": registration.manifest.summary if registration else None,
+        "registered_model": registered.model_dump(mode="json") if registered else None,
         "stages": {
-            name: {"seconds": timing.seconds, "cache_hit": timing.cache_hit, "uri": ctx.outcomes[name].uri}
+            name: {
+                "seconds": timing.seconds,
+                "cache_hit": timing.cache_hit,
+                "uri": ctx.outcomes[name].uri,
+                "figures": timing.figures,
+            }
             for name, timing in ctx.timings.items()
         },
         "cache_hits": sorted(name for name, timing in ctx.timings.items() if timing.cache_hit),
@@ -160,7 +148,7 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
             ctx.tracker.tracking_uri,
             ctx.tracker.experiment_id,
             ctx.tracker.parent_run_id,
-            registration.manifest.summary.get("name") if registration else None,
+            registered.name if registered else None,
         ),
     }
 
@@ -221,10 +209,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, Any]:
-    """The cycle's body, up to and including stage `until` (the per-stage deployments stop early)."""
-    if until not in STAGES:  # before anything is started or tracked
-        raise ValueError(f"until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
+def run_cycle(
+    params: TrainAndEvalParams, until: str | None = None, pipeline: Pipeline = CYCLE
+) -> dict[str, Any]:
+    """The pipeline's stages up to and including `until` (default: all of them; the per-stage
+    deployments stop early)."""
+    stages = pipeline.until(until) if until else pipeline  # an unknown stage: before anything starts
     install_log_redaction()
     logger = get_run_logger()
     reaped = reap_dead_records()  # what a killed earlier run left running (its driver is gone)
@@ -242,34 +232,25 @@ def run_cycle(params: TrainAndEvalParams, until: str = "register") -> dict[str, 
     cycle_run = tracker.start_cycle(
         run_name=f"{config.name}-{run_id[:8]}",
         params=flatten_params(dumped),
-        tags={"draftloop.config": config.name, "prefect.flow_run_id": run_id, "draftloop.until": until},
+        tags={
+            "draftloop.config": config.name,
+            "prefect.flow_run_id": run_id,
+            "draftloop.until": stages.names[-1],
+        },
     )
     cycle_run.log_dict(dumped, "config.json")
     ctx.write_text("config.json", json.dumps(dumped, indent=2))
     status = "failed"
 
-    def record_ray() -> None:
-        _record_ray_pids(ctx)
-
-    # Ray starts lazily, in the first stage that really runs (a fully cached cycle never pays for it).
-    ray_cluster.RAY_START_CALLBACKS.append(record_ray)
     try:
-        last = STAGES.index(until)
-        conversations = synthesize_stage(ctx)
-        if last >= 1:
-            hidden = extract_stage(ctx, conversations)
-        if last >= 2:
-            drafter = train_stage(ctx, hidden)
-        if last >= 3:
-            evaluation = evaluate_stage(ctx, conversations, drafter)
-        if last >= 4:
-            register_stage(ctx, conversations, hidden, drafter, evaluation)
+        for stage in stages.stages:
+            submit(stage, ctx)
         status = "completed"
     except BaseException as error:
         tracker.end_cycle("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", error=str(error))
         raise
     finally:
-        ray_cluster.RAY_START_CALLBACKS.remove(record_ray)
+        # Ray starts lazily, in the first stage that really runs (a fully cached cycle never pays for it).
         if ray_cluster.started_here():
             ray_cluster.shutdown_ray()
             ctx.pids.forget("ray")

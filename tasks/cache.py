@@ -24,8 +24,6 @@ from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import held_exclusively
 from draftloop.infra.runtime.storage import Manifest, StorageOptions, join, read_manifest, storage_options
 
-# The stages in cycle order; each names its output folder.
-STAGES: tuple[str, ...] = ("synthesize", "extract", "train", "evaluate", "register")
 # Bump when a stage's on-disk output changes meaning, so old cache entries stop matching.
 CACHE_VERSION = "1"
 

@@ -13,23 +13,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
-from draftloop.infra.runtime.ray_cluster import ensure_ray
-from draftloop.infra.runtime.config import ExperimentConfig
-from draftloop.infra.synthesis.conversations import read_eval_prompts
 from draftloop.infra.engines.actors import server_starter
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.evaluation.run import evaluate_from_config
-from draftloop.infra.runtime.processes import PidRecord, state_dir
+from draftloop.infra.registry.tracking import CycleResults
+from draftloop.infra.runtime.processes import state_dir
+from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
+from draftloop.infra.synthesis.conversations import read_eval_prompts
 from draftloop.infra.targets.resolve import ensure_target
-from draftloop.infra.registry.tracking import CycleResults, StageRun
-from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, execute_stage
-from draftloop.tasks.retry import stage_task_options
+from draftloop.tasks.stage import Figure, Stage, StageRequest
+from draftloop.tasks.summaries import EvaluationSummary
 
-SECTIONS = ("target", "engine", "evaluation")
 REPORT_SHARD = "eval_report.json"
 
 
@@ -105,86 +100,88 @@ def _level_metrics(report: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def run(
-    config: ExperimentConfig,
-    conversations: StageOutcome,
-    drafter: StageOutcome,
-    stage_run: StageRun | None = None,
-    pids: PidRecord | None = None,
-    on_start: OnStart | None = None,
-) -> StageOutcome:
-    """Deploy the drafter of `drafter` and evaluate it on the held-out prompts of `conversations`."""
-
-    def body(work: StageWork) -> Manifest:
-        options = storage_options(config)
-        target_path = ensure_target(config)
-        run_dir = state_dir() / "work" / str(config.name) / "evaluate" / work.key
-        shutil.rmtree(run_dir / "plots", ignore_errors=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        drafter_dir = download_shards(
-            drafter.manifest, run_dir / "drafter", drafter.manifest.summary["drafter_files"], options
-        )
-        rows = read_eval_prompts(conversations.manifest, options)
-        prompts = [row["prompt"] for row in rows]
-        categories = [row.get("category") or "uncategorized" for row in rows]
-        engine = get_engine(config.engine.kind, config.engine_settings())
-        ensure_ray(config.ray.address)
-        start_server = server_starter(engine, target_path, run_dir, pids)
-        try:
-            report = evaluate_from_config(
-                config,
-                engine,
-                Path(target_path),
-                drafter_dir,
-                prompts,
-                run_dir,
-                start_server=start_server,
-                categories=categories,
-            )
-        finally:
-            if stage_run is not None:  # engine logs, also (above all) when the evaluation failed
-                for log in sorted(run_dir.glob("server-*.log")):
-                    stage_run.log_artifact(log, "engine_logs")
-        data = report.to_json()
-        if stage_run is not None:
-            stage_run.log_metrics(_level_metrics(data))
-            stage_run.log_artifact(run_dir / "eval_report.json")
-            stage_run.log_artifact(run_dir / "plots", "plots")
-        writer = DatasetWriter(work.uri, storage_options=options)
-        writer.write_shard(
-            REPORT_SHARD, json.dumps(data, indent=2, sort_keys=True).encode(), rows=len(prompts)
-        )
-        for plot in sorted((run_dir / "plots").glob("*.png")):
-            writer.write_shard(f"plot-{plot.name}", plot.read_bytes(), rows=0)
-        summary = {
-            "results": results_from_report(data),
-            "verdict": data["verdict"],
-            "reasons": data["reasons"],
-            "lossless": data["lossless"],
-            "engine": data["engine"],
-            "engine_version": data.get("engine_version") or "unknown",
-            "num_prompts": data["num_prompts"],
-            "num_speculative_tokens": data["num_speculative_tokens"],
-            "engine_layer_ids": data.get("engine_layer_ids"),
-            "startup_s": {name: data[name].get("startup_s") for name in ("baseline", "speculative")},
-            "speedup_levels": data["speedup_levels"],
-            "k_sweep": [
-                {key: value for key, value in entry.items() if key != "server"} for entry in data["k_sweep"]
-            ],
-            "recommended_k": data["recommended_k"],
-            "serving_k": data["serving_k"],
-            "category_acceptance": data["category_acceptance"],
-        }
-        return writer.commit("evaluate", inputs=work.inputs, summary=summary)
-
-    upstream = {"drafter": drafter.manifest, "conversations": conversations.manifest}
-    return run_cached("evaluate", config, SECTIONS, upstream, body, on_start=on_start)
-
-
-@task(name="evaluate", **stage_task_options())
-def evaluate_stage(ctx: CycleContext, conversations: StageOutcome, drafter: StageOutcome) -> StageOutcome:
-    return execute_stage(
-        ctx,
-        "evaluate",
-        lambda stage_run, on_start: run(ctx.config, conversations, drafter, stage_run, ctx.pids, on_start),
+def produce(request: StageRequest) -> Manifest:
+    """Deploy the trained drafter and evaluate it on the held-out prompts of the synthesized data."""
+    config, drafter, conversations = (
+        request.config,
+        request.inputs["drafter"],
+        request.inputs["conversations"],
     )
+    options = storage_options(config)
+    target_path = ensure_target(config)
+    run_dir = state_dir() / "work" / str(config.name) / "evaluate" / request.work.key
+    shutil.rmtree(run_dir / "plots", ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    drafter_dir = download_shards(
+        drafter.manifest, run_dir / "drafter", drafter.manifest.summary["drafter_files"], options
+    )
+    rows = read_eval_prompts(conversations.manifest, options)
+    prompts = [row["prompt"] for row in rows]
+    categories = [row.get("category") or "uncategorized" for row in rows]
+    engine = get_engine(config.engine.kind, config.engine_settings())
+    ensure_ray(config.ray.address, request.pids)
+    start_server = server_starter(engine, target_path, run_dir, request.pids)
+    try:
+        report = evaluate_from_config(
+            config,
+            engine,
+            Path(target_path),
+            drafter_dir,
+            prompts,
+            run_dir,
+            start_server=start_server,
+            categories=categories,
+        )
+    finally:
+        for log in sorted(run_dir.glob("server-*.log")):  # also (above all) when the evaluation failed
+            request.run.log_artifact(log, "engine_logs")
+    data = report.to_json()
+    request.run.log_metrics(_level_metrics(data))
+    request.run.log_artifact(run_dir / "eval_report.json")
+    request.run.log_artifact(run_dir / "plots", "plots")
+    writer = DatasetWriter(request.work.uri, storage_options=options)
+    writer.write_shard(REPORT_SHARD, json.dumps(data, indent=2, sort_keys=True).encode(), rows=len(prompts))
+    for plot in sorted((run_dir / "plots").glob("*.png")):
+        writer.write_shard(f"plot-{plot.name}", plot.read_bytes(), rows=0)
+    summary = {
+        "results": results_from_report(data),
+        "verdict": data["verdict"],
+        "reasons": data["reasons"],
+        "lossless": data["lossless"],
+        "engine": data["engine"],
+        "engine_version": data.get("engine_version") or "unknown",
+        "num_prompts": data["num_prompts"],
+        "num_speculative_tokens": data["num_speculative_tokens"],
+        "engine_layer_ids": data.get("engine_layer_ids"),
+        "startup_s": {name: data[name].get("startup_s") for name in ("baseline", "speculative")},
+        "speedup_levels": data["speedup_levels"],
+        "k_sweep": [
+            {key: value for key, value in entry.items() if key != "server"} for entry in data["k_sweep"]
+        ],
+        "recommended_k": data["recommended_k"],
+        "serving_k": data["serving_k"],
+        "category_acceptance": data["category_acceptance"],
+    }
+    return writer.commit("evaluate", inputs=request.work.inputs, summary=summary)
+
+
+STAGE = Stage(
+    name="evaluate",
+    produce=produce,
+    summary=EvaluationSummary,
+    sections=("target", "engine", "evaluation"),
+    inputs={"drafter": "train", "conversations": "synthesize"},
+    gpus=lambda config: float(config.engine.num_gpus),  # the baseline server, then the speculative one
+    figures=(
+        Figure("verdict", "verdict"),
+        Figure("engine", "engine"),
+        Figure("results.mean_acceptance_length", "acceptance length"),
+        Figure("results.acceptance_rate", "acceptance rate"),
+        Figure("results.speedup.1", "speedup @ concurrency 1 (x)"),
+        Figure("recommended_k", "recommended k"),
+    ),
+    description=(
+        "Everything up to the evaluation report: train, serve and benchmark the drafter, "
+        "without registering it."
+    ),
+)

@@ -15,21 +15,17 @@ from __future__ import annotations
 import math
 
 import ray
-from prefect import task
 
-from draftloop.infra.extraction.extractor import ExtractedShards, remote_hidden_state_extractor
-from draftloop.infra.runtime.ray_cluster import ensure_ray, kill_actors
-from draftloop.infra.runtime.config import ExperimentConfig
-from draftloop.infra.synthesis.conversations import conversation_count, read_conversations
 from draftloop.infra.extraction.engine import extract_with_engine
-from draftloop.infra.runtime.processes import PidRecord
+from draftloop.infra.extraction.extractor import ExtractedShards, remote_hidden_state_extractor
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.ray_cluster import ensure_ray, kill_actors
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, storage_options
+from draftloop.infra.synthesis.conversations import conversation_count, read_conversations
 from draftloop.infra.targets.resolve import ensure_target
-from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, execute_stage
-from draftloop.tasks.retry import stage_task_options
-
-SECTIONS = ("target", "data", "extraction")
+from draftloop.tasks.cache import StageError
+from draftloop.tasks.stage import Figure, Stage, StageRequest
+from draftloop.tasks.summaries import ExtractionSummary
 
 
 def _slices(count: int, parts: int) -> list[tuple[int, int]]:
@@ -82,64 +78,69 @@ def _extract_in_process(
     return results
 
 
-def run(
-    config: ExperimentConfig,
-    conversations: StageOutcome,
-    on_start: OnStart | None = None,
-    pids: PidRecord | None = None,
-) -> StageOutcome:
-    """Extract hidden states for the conversations of `conversations` (cached on its manifest hash)."""
-
-    def body(work: StageWork) -> Manifest:
-        ensure_ray(config.ray.address)
-        options = storage_options(config)
-        count = conversation_count(conversations.manifest)
-        if count == 0:
-            raise StageError("extract", f"no conversations in {conversations.uri}")
-        target_path = ensure_target(config)
-        section = config.extraction
-        layer_ids = config.aux_layer_ids_internal()
-        writer = DatasetWriter(work.uri, storage_options=options)
-        if section.backend == "engine":
-            rows = read_conversations(conversations.manifest, options)
-            engine_result = extract_with_engine(config, target_path, rows, pids)
-            for name, data, rows_in_shard in engine_result.shards:
-                writer.write_shard(name, data, rows=rows_in_shard)
-            tokens, seconds = engine_result.tokens, engine_result.seconds
-            skipped, skip_examples = len(engine_result.skipped), engine_result.skipped[:3]
-            actors = 1
-        else:
-            slices = _slices(count, max(1, int(section.num_actors)))
-            results = _extract_in_process(config, target_path, conversations.manifest, slices, writer)
-            tokens = sum(result.tokens for result in results)
-            seconds = max(result.seconds for result in results)  # actors run in parallel
-            skipped = sum(result.skipped for result in results)
-            skip_examples = [example for result in results for example in result.skip_examples]
-            actors = len(slices)
-        samples = sum(info.rows for info in writer.shards)
-        if samples == 0:
-            raise StageError("extract", f"every conversation was skipped: {skip_examples[:3]}")
-        summary = {
-            "target": target_path,
-            "samples": samples,
-            "tokens": tokens,
-            "skipped": skipped,
-            "backend": section.backend,
-            "actors": actors,
-            "aux_layer_ids": list(layer_ids.ids),
-            "layer_id_convention": "layer_input",
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
-        }
-        return writer.commit("extract", inputs=work.inputs, summary=summary)
-
-    return run_cached(
-        "extract", config, SECTIONS, {"conversations": conversations.manifest}, body, on_start=on_start
-    )
+def produce(request: StageRequest) -> Manifest:
+    """Extract hidden states for the synthesized conversations."""
+    config = request.config
+    ensure_ray(config.ray.address, request.pids)
+    options = storage_options(config)
+    conversations = request.inputs["conversations"]
+    count = conversation_count(conversations.manifest)
+    if count == 0:
+        raise StageError("extract", f"no conversations in {conversations.uri}")
+    target_path = ensure_target(config)
+    section = config.extraction
+    layer_ids = config.aux_layer_ids_internal()
+    writer = DatasetWriter(request.work.uri, storage_options=options)
+    if section.backend == "engine":
+        rows = read_conversations(conversations.manifest, options)
+        engine_result = extract_with_engine(config, target_path, rows, request.pids)
+        for name, data, rows_in_shard in engine_result.shards:
+            writer.write_shard(name, data, rows=rows_in_shard)
+        tokens, seconds = engine_result.tokens, engine_result.seconds
+        skipped, skip_examples = len(engine_result.skipped), engine_result.skipped[:3]
+        actors = 1
+    else:
+        slices = _slices(count, max(1, int(section.num_actors)))
+        results = _extract_in_process(config, target_path, conversations.manifest, slices, writer)
+        tokens = sum(result.tokens for result in results)
+        seconds = max(result.seconds for result in results)  # actors run in parallel
+        skipped = sum(result.skipped for result in results)
+        skip_examples = [example for result in results for example in result.skip_examples]
+        actors = len(slices)
+    samples = sum(info.rows for info in writer.shards)
+    if samples == 0:
+        raise StageError("extract", f"every conversation was skipped: {skip_examples[:3]}")
+    summary = {
+        "target": target_path,
+        "samples": samples,
+        "tokens": tokens,
+        "skipped": skipped,
+        "backend": section.backend,
+        "actors": actors,
+        "aux_layer_ids": list(layer_ids.ids),
+        "layer_id_convention": "layer_input",
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None,
+    }
+    return writer.commit("extract", inputs=request.work.inputs, summary=summary)
 
 
-@task(name="extract", **stage_task_options())
-def extract_stage(ctx: CycleContext, conversations: StageOutcome) -> StageOutcome:
-    return execute_stage(
-        ctx, "extract", lambda _run, on_start: run(ctx.config, conversations, on_start, ctx.pids)
-    )
+def gpus(config: ExperimentConfig) -> float:
+    section = config.extraction
+    if section.backend == "engine":
+        return float(config.engine.num_gpus)
+    return float(section.num_actors * section.num_gpus_per_actor)
+
+
+STAGE = Stage(
+    name="extract",
+    produce=produce,
+    summary=ExtractionSummary,
+    sections=("target", "data", "extraction"),
+    inputs={"conversations": "synthesize"},
+    gpus=gpus,
+    figures=(Figure("samples", "samples"), Figure("tokens", "tokens"), Figure("tokens_per_s", "tokens/s")),
+    description=(
+        "Synthesize the training conversations, then extract the target's hidden states for training."
+    ),
+)

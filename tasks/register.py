@@ -7,25 +7,15 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from prefect import task
-
-from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.engines.base import get_engine
+from draftloop.infra.registry.tracking import DrafterCard, register_drafter, target_label
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
-from draftloop.infra.registry.tracking import (
-    CycleResults,
-    DrafterCard,
-    StageRun,
-    Tracker,
-    register_drafter,
-    target_label,
-)
-from draftloop.tasks.cache import OnStart, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, execute_stage
-from draftloop.tasks.retry import stage_task_options
+from draftloop.tasks.cache import StageOutcome
+from draftloop.tasks.cycle import CycleContext
+from draftloop.tasks.stage import Figure, Stage, StageRequest, typed_summary
+from draftloop.tasks.summaries import EvaluationSummary, RegistrationSummary, TrainingSummary
 
-# config.name is part of the stage folder already (tasks/cache.py stage_uri).
-SECTIONS = ("tracking", "evaluation")
 REGISTRATION_SHARD = "registration.json"
 
 
@@ -46,76 +36,60 @@ def serving_command(config: ExperimentConfig, drafter_source: str, recommended_k
     return f"{download} && {engine.user_serving_command(target_arg, drafter, k)}"
 
 
-def run(
-    config: ExperimentConfig,
-    tracker: Tracker,
-    stage_run: StageRun,
-    conversations: StageOutcome,
-    hidden: StageOutcome,
-    drafter: StageOutcome,
-    evaluation: StageOutcome,
-    on_start: OnStart | None = None,
-) -> StageOutcome:
-    """Register the drafter of `drafter` with the results of `evaluation` (cached: one version per input)."""
-
-    def body(work: StageWork) -> Manifest:
-        options = storage_options(config)
-        results = CycleResults.from_dict(evaluation.manifest.summary["results"])
-        train_summary = drafter.manifest.summary
-        card = DrafterCard(
-            target=target_label(str(config.target.path)),
-            engine=str(config.engine.kind),
-            engine_version=str(evaluation.manifest.summary.get("engine_version", "unknown")),
-            aux_layer_ids=train_summary.get("aux_layer_ids"),
-            layer_id_convention="layer_input",
-            convention_exported=str(train_summary.get("convention_exported", config.engine.kind)),
-            hashes={
-                "data_hash": conversations.manifest.content_hash(),
-                "hidden_hash": hidden.manifest.content_hash(),
-                "drafter_hash": drafter.manifest.content_hash(),
-            },
-        )
-        with tempfile.TemporaryDirectory(prefix="draftloop-register-") as scratch:
-            folder = download_shards(
-                drafter.manifest, Path(scratch) / "drafter", train_summary["drafter_files"], options
-            )
-            registration = register_drafter(
-                tracker,
-                stage_run,
-                config.registered_model_name,
-                config.evaluation.gate,
-                results,
-                card,
-                folder,
-                serving_command=lambda source: serving_command(config, source, results.recommended_k),
-            )
-        writer = DatasetWriter(work.uri, storage_options=options)
-        payload = registration.to_dict()
-        writer.write_shard(REGISTRATION_SHARD, json.dumps(payload, indent=2).encode(), rows=1)
-        return writer.commit("register", inputs=work.inputs, summary=payload)
-
-    upstream = {
-        "drafter": drafter.manifest,
-        "evaluation": evaluation.manifest,
-        "data": conversations.manifest,
-    }
-    outcome = run_cached("register", config, SECTIONS, upstream, body, on_start=on_start)
-    tracker.record_registration(outcome.manifest.summary)  # also when reused: this cycle's run shows it
-    return outcome
-
-
-@task(name="register", **stage_task_options(retries=1))
-def register_stage(
-    ctx: CycleContext,
-    conversations: StageOutcome,
-    hidden: StageOutcome,
-    drafter: StageOutcome,
-    evaluation: StageOutcome,
-) -> StageOutcome:
-    return execute_stage(
-        ctx,
-        "register",
-        lambda stage_run, on_start: run(
-            ctx.config, ctx.tracker, stage_run, conversations, hidden, drafter, evaluation, on_start
-        ),
+def produce(request: StageRequest) -> Manifest:
+    """Register the trained drafter with the evaluation's results (one version per input)."""
+    config = request.config
+    drafter, evaluation, conversations = (request.inputs[name] for name in ("drafter", "evaluation", "data"))
+    hidden = request.earlier("extract")
+    options = storage_options(config)
+    evaluated = typed_summary(evaluation, EvaluationSummary)
+    results = evaluated.cycle_results()
+    trained = typed_summary(drafter, TrainingSummary)
+    card = DrafterCard(
+        target=target_label(str(config.target.path)),
+        engine=str(config.engine.kind),
+        engine_version=evaluated.engine_version,
+        aux_layer_ids=trained.aux_layer_ids,
+        layer_id_convention="layer_input",
+        convention_exported=trained.convention_exported or str(config.engine.kind),
+        hashes={
+            "data_hash": conversations.manifest.content_hash(),
+            # a pipeline without stored hidden states (online training) has no extract manifest
+            **({"hidden_hash": hidden.manifest.content_hash()} if hidden is not None else {}),
+            "drafter_hash": drafter.manifest.content_hash(),
+        },
     )
+    with tempfile.TemporaryDirectory(prefix="draftloop-register-") as scratch:
+        folder = download_shards(drafter.manifest, Path(scratch) / "drafter", trained.drafter_files, options)
+        registration = register_drafter(
+            request.cycle.tracker,
+            request.run,
+            config.registered_model_name,
+            config.evaluation.gate,
+            results,
+            card,
+            folder,
+            serving_command=lambda source: serving_command(config, source, results.recommended_k),
+        )
+    writer = DatasetWriter(request.work.uri, storage_options=options)
+    payload = registration.to_dict()
+    writer.write_shard(REGISTRATION_SHARD, json.dumps(payload, indent=2).encode(), rows=1)
+    return writer.commit("register", inputs=request.work.inputs, summary=payload)
+
+
+def record_on_cycle_run(ctx: CycleContext, outcome: StageOutcome) -> None:
+    """Also when reused: this cycle's MLflow run shows the version and the gate."""
+    ctx.tracker.record_registration(typed_summary(outcome, RegistrationSummary).model_dump())
+
+
+STAGE = Stage(
+    name="register",
+    produce=produce,
+    summary=RegistrationSummary,
+    sections=("tracking", "evaluation"),  # config.name is part of the stage folder already
+    inputs={"drafter": "train", "evaluation": "evaluate", "data": "synthesize"},
+    retries=1,
+    figures=(Figure("name", "model"), Figure("version", "version"), Figure("alias_status", "status")),
+    description="Register the drafter in MLflow; the champion alias moves only if it passes the gate.",
+    on_outcome=record_on_cycle_run,
+)

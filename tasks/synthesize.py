@@ -12,11 +12,12 @@ import time
 from typing import Any
 
 import ray
-from prefect import task
 
-from draftloop.infra.runtime.ray_cluster import ensure_ray, kill_actors
-from draftloop.infra.synthesis.generator import remote_target_generator
+from draftloop.infra.engines.actors import start_server_actor
 from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import PidRecord, state_dir
+from draftloop.infra.runtime.ray_cluster import ensure_ray, kill_actors
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest, storage_options
 from draftloop.infra.synthesis.conversations import (
     CONVERSATIONS_SHARD_PREFIX,
     EVAL_PROMPTS_SHARD,
@@ -26,17 +27,14 @@ from draftloop.infra.synthesis.conversations import (
     templated_prompt,
     to_jsonl,
 )
-from draftloop.infra.synthesis.prompts import input_fingerprint, read_input_from_config
-from draftloop.infra.engines.actors import start_server_actor
 from draftloop.infra.synthesis.engine import input_messages, regenerate_from_config, synthesis_engine
-from draftloop.infra.runtime.processes import PidRecord, state_dir
-from draftloop.infra.runtime.storage import DatasetWriter, Manifest, storage_options
+from draftloop.infra.synthesis.generator import remote_target_generator
+from draftloop.infra.synthesis.prompts import input_fingerprint, read_input_from_config
 from draftloop.infra.targets.resolve import ensure_target, target_fingerprint
-from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, execute_stage
-from draftloop.tasks.retry import stage_task_options
+from draftloop.tasks.cache import StageError
+from draftloop.tasks.stage import Figure, Stage, StageRequest
+from draftloop.tasks.summaries import SynthesisSummary
 
-SECTIONS = ("target", "data", "synthesis")
 ROWS_PER_SHARD = 1024
 
 PromptRow = dict[str, Any]  # {"id", "prompt", "messages"?, "category"?} (infra/synthesis/prompts.py)
@@ -55,9 +53,9 @@ def split_prompts(config: ExperimentConfig, rows: list[PromptRow]) -> tuple[list
 
 
 def _generate_in_process(
-    config: ExperimentConfig, target_path: str, prompts: list[PromptRow]
+    config: ExperimentConfig, target_path: str, prompts: list[PromptRow], pids: PidRecord
 ) -> SynthesisResult:
-    ensure_ray(config.ray.address)
+    ensure_ray(config.ray.address, pids)
     actor_class = remote_target_generator(float(config.synthesis.num_gpus))
     actor = actor_class.remote(
         target_path, dtype=str(config.extraction.dtype), trust_remote_code=config.target.trust_remote_code
@@ -101,7 +99,7 @@ def _refuse_overlong_prompts(
 
 
 def _generate_with_engine(
-    config: ExperimentConfig, target_path: str, prompts: list[PromptRow], pids: PidRecord | None
+    config: ExperimentConfig, target_path: str, prompts: list[PromptRow], pids: PidRecord
 ) -> SynthesisResult:
     """Start the engine (no speculation) in a Ray actor, regenerate the conversations over HTTP, stop it.
 
@@ -110,7 +108,7 @@ def _generate_with_engine(
     prompts, refused = _refuse_overlong_prompts(config, target_path, prompts)
     if not prompts:
         return SynthesisResult(rejected=refused)
-    ensure_ray(config.ray.address)
+    ensure_ray(config.ray.address, pids)
     run_dir = state_dir() / "work" / str(config.name) / "synthesize-engine"
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = synthesis_engine(config)
@@ -121,76 +119,89 @@ def _generate_with_engine(
         return result
     finally:
         server.stop()
-        if pids is not None:
-            pids.forget("engine-synthesis")
+        pids.forget("engine-synthesis")
 
 
-def run(
-    config: ExperimentConfig, pids: PidRecord | None = None, on_start: OnStart | None = None
-) -> StageOutcome:
-    """Synthesize conversations (cached on target + data + synthesis sections)."""
+def produce(request: StageRequest) -> Manifest:
+    """Answer the training prompts with the target; hold the evaluation prompts out."""
+    config = request.config
+    options = storage_options(config)
+    input_data = read_input_from_config(config, options)  # bad data fails before the target is built
+    target_path = ensure_target(config)
+    train_prompts, eval_prompts = split_prompts(config, input_data.rows)
+    started = time.perf_counter()
+    backend = str(config.synthesis.backend)
+    if backend == "engine":
+        result = _generate_with_engine(config, target_path, train_prompts, request.pids)
+    else:
+        result = _generate_in_process(config, target_path, train_prompts, request.pids)
+    seconds = time.perf_counter() - started
+    if not result.conversations:
+        seen = sorted({row["reason"] for row in result.rejected})[:5]
+        raise StageError("synthesize", f"every prompt was rejected: {seen}")
+    writer = DatasetWriter(request.work.uri, storage_options=options)
+    rows = result.conversations
+    for index, start in enumerate(range(0, len(rows), ROWS_PER_SHARD)):
+        chunk = rows[start : start + ROWS_PER_SHARD]
+        writer.write_shard(f"{CONVERSATIONS_SHARD_PREFIX}{index:05d}.jsonl", to_jsonl(chunk), rows=len(chunk))
+    writer.write_shard(EVAL_PROMPTS_SHARD, to_jsonl(eval_prompts), rows=len(eval_prompts))
+    # input rows set aside (file, line, reason) and prompts the target could not answer
+    rejected: list[dict[str, Any]] = [*input_data.rejected, *result.rejected]
+    writer.write_shard(REJECTED_SHARD, to_jsonl(rejected), rows=len(rejected))
+    generating = result.seconds
+    reasons: dict[str, int] = {}
+    for row in result.rejected:
+        kind = row["reason"].split(":")[0]  # "generation failed: <detail>" -> "generation failed"
+        reasons[kind] = reasons.get(kind, 0) + 1
+    summary = {
+        "backend": backend,
+        "target": target_path,
+        "requested": len(train_prompts),
+        "rows": len(rows),
+        **input_data.summary(),
+        "rejected": len(rejected),
+        "rejected_reasons": reasons,
+        "eval_prompts": len(eval_prompts),
+        "with_reasoning": sum(1 for row in rows if row.get("reasoning")),
+        "generated_tokens": result.generated_tokens,
+        "shortened_at_max_length": result.shortened,
+        "seconds": round(seconds, 3),
+        # rates over the generation alone: loading the target or starting its server is start-up
+        "startup_seconds": round(max(0.0, seconds - generating), 3),
+        "generation_seconds": round(generating, 3),
+        "rows_per_s": round(len(rows) / generating, 3) if generating > 0 else None,
+        "tokens_per_s": round(result.generated_tokens / generating, 3) if generating > 0 else None,
+    }
+    return writer.commit("synthesize", inputs=request.work.inputs, summary=summary)
 
-    def body(work: StageWork) -> Manifest:
-        options = storage_options(config)
-        input_data = read_input_from_config(config, options)  # bad data fails before the target is built
-        target_path = ensure_target(config)
-        train_prompts, eval_prompts = split_prompts(config, input_data.rows)
-        started = time.perf_counter()
-        backend = str(config.synthesis.backend)
-        if backend == "engine":
-            result = _generate_with_engine(config, target_path, train_prompts, pids)
-        else:
-            result = _generate_in_process(config, target_path, train_prompts)
-        seconds = time.perf_counter() - started
-        if not result.conversations:
-            seen = sorted({row["reason"] for row in result.rejected})[:5]
-            raise StageError("synthesize", f"every prompt was rejected: {seen}")
-        writer = DatasetWriter(work.uri, storage_options=options)
-        rows = result.conversations
-        for index, start in enumerate(range(0, len(rows), ROWS_PER_SHARD)):
-            chunk = rows[start : start + ROWS_PER_SHARD]
-            writer.write_shard(
-                f"{CONVERSATIONS_SHARD_PREFIX}{index:05d}.jsonl", to_jsonl(chunk), rows=len(chunk)
-            )
-        writer.write_shard(EVAL_PROMPTS_SHARD, to_jsonl(eval_prompts), rows=len(eval_prompts))
-        # input rows set aside (file, line, reason) and prompts the target could not answer
-        rejected: list[dict[str, Any]] = [*input_data.rejected, *result.rejected]
-        writer.write_shard(REJECTED_SHARD, to_jsonl(rejected), rows=len(rejected))
-        generating = result.seconds
-        reasons: dict[str, int] = {}
-        for row in result.rejected:
-            kind = row["reason"].split(":")[0]  # "generation failed: <detail>" -> "generation failed"
-            reasons[kind] = reasons.get(kind, 0) + 1
-        summary = {
-            "backend": backend,
-            "target": target_path,
-            "requested": len(train_prompts),
-            "rows": len(rows),
-            **input_data.summary(),
-            "rejected": len(rejected),
-            "rejected_reasons": reasons,
-            "eval_prompts": len(eval_prompts),
-            "with_reasoning": sum(1 for row in rows if row.get("reasoning")),
-            "generated_tokens": result.generated_tokens,
-            "shortened_at_max_length": result.shortened,
-            "seconds": round(seconds, 3),
-            # rates over the generation alone: loading the target or starting its server is start-up
-            "startup_seconds": round(max(0.0, seconds - generating), 3),
-            "generation_seconds": round(generating, 3),
-            "rows_per_s": round(len(rows) / generating, 3) if generating > 0 else None,
-            "tokens_per_s": round(result.generated_tokens / generating, 3) if generating > 0 else None,
-        }
-        return writer.commit("synthesize", inputs=work.inputs, summary=summary)
 
-    # The prompts' and the target's files themselves, not only their paths: edited prompts or weights
-    # replaced in place are synthesized again (and every later stage follows through the manifests).
-    files = {
+def key_fields(config: ExperimentConfig) -> dict[str, str]:
+    """The prompts' and the target's files themselves, not only their paths: edited prompts or weights
+    replaced in place are synthesized again (and every later stage follows through the manifests)."""
+    return {
         "data.files": input_fingerprint(str(config.data.prompts), storage_options(config)),
         "target.files": target_fingerprint(config),
     }
-    return run_cached("synthesize", config, SECTIONS, {}, body, on_start=on_start, extra_inputs=files)
 
 
-@task(name="synthesize", **stage_task_options())
-def synthesize_stage(ctx: CycleContext) -> StageOutcome:
-    return execute_stage(ctx, "synthesize", lambda _run, on_start: run(ctx.config, ctx.pids, on_start))
+def gpus(config: ExperimentConfig) -> float:
+    return float(
+        config.engine.num_gpus if config.synthesis.backend == "engine" else config.synthesis.num_gpus
+    )
+
+
+STAGE = Stage(
+    name="synthesize",
+    produce=produce,
+    summary=SynthesisSummary,
+    sections=("target", "data", "synthesis"),
+    key_fields=key_fields,
+    gpus=gpus,
+    figures=(
+        Figure("rows", "conversations"),
+        Figure("rejected", "rejected"),
+        Figure("rows_per_s", "rows/s"),
+        Figure("tokens_per_s", "tokens/s"),
+    ),
+    description="Only synthesize the training conversations with the target.",
+)

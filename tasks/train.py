@@ -14,25 +14,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from draftloop.infra.runtime.ray_cluster import ensure_ray
-from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.evaluation.plots import plot_training_curves
-from draftloop.infra.runtime.processes import state_dir
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import PidRecord, state_dir
+from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, read_shard, storage_options
-from draftloop.infra.registry.tracking import StageRun
 from draftloop.infra.training.worker import train_loop_per_worker
 from draftloop.kernels.checkpoint import contract_record
 from draftloop.kernels.shards import LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY, shard_metadata_from_bytes
-from draftloop.tasks.cache import OnStart, StageError, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, execute_stage
-from draftloop.tasks.retry import stage_task_options
+from draftloop.tasks.cache import StageError, StageOutcome
+from draftloop.tasks.stage import Figure, Stage, StageRequest
+from draftloop.tasks.summaries import TrainingSummary
 
-# Plus engine.kind (not the whole engine section): the drafter is saved in that engine's native format.
-SECTIONS = ("target", "training")
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
 
@@ -96,8 +92,8 @@ def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) ->
     }
 
 
-def _fit(config: ExperimentConfig, hidden: StageOutcome, key: str, folder: Path) -> Path:
-    ensure_ray(config.ray.address)
+def _fit(config: ExperimentConfig, hidden: StageOutcome, key: str, folder: Path, pids: PidRecord) -> Path:
+    ensure_ray(config.ray.address, pids)
     section = config.training
     gpus = float(section.num_gpus_per_worker)
     loop = loop_config(config, hidden, folder)
@@ -122,90 +118,99 @@ def _fit(config: ExperimentConfig, hidden: StageOutcome, key: str, folder: Path)
     return final
 
 
-def run(
-    config: ExperimentConfig,
-    hidden: StageOutcome,
-    stage_run: StageRun | None = None,
-    on_start: OnStart | None = None,
-) -> StageOutcome:
-    """Train the drafter on `hidden` (cached on target + training sections + the hidden manifest)."""
-
-    def body(work: StageWork) -> Manifest:
-        folder = work_dir(config, work.key)
-        folder.mkdir(parents=True, exist_ok=True)
-        final = _fit(config, hidden, work.key, folder)
-        result = json.loads((final / "result.json").read_text())
-        history = [
-            {
-                "step": r["step"],
-                "loss": r["loss"],
-                "lr": r["lr"],
-                **{f"acc_{i}": a for i, a in enumerate(r["acc"])},
-            }
-            for r in result["history"]
-        ]
-        held_out = [
-            {"epoch": e["epoch"], "held_out_acceptance_length": e["held_out_acceptance_length"]}
-            for e in result["epochs"]
-            if e.get("held_out_acceptance_length") is not None
-        ]
-        with tempfile.TemporaryDirectory(prefix="draftloop-train-") as scratch:
-            curves = plot_training_curves(history, Path(scratch) / "training_curves.png")
-            if stage_run is not None:
-                stage_run.log_metric_history(history)
-                stage_run.log_metric_history(held_out, step_key="epoch")
-                stage_run.log_artifact(curves, "plots")  # the drafter: logged once, as register's model
-            writer = DatasetWriter(work.uri, storage_options=storage_options(config))
-            for name in DRAFTER_FILES:
-                writer.write_shard(name, (final / "drafter" / name).read_bytes(), rows=0)
-            writer.write_shard("training_history.json", json.dumps(result).encode(), rows=len(history))
-            writer.write_shard("training_curves.png", curves.read_bytes(), rows=0)
-        drafter_config = json.loads((final / "drafter" / "config.json").read_text())
-        block = drafter_config.get("draftloop", {})
-        final_metrics = result["final"]
-        seconds = float(result["seconds"])
-        # Real sample tokens over computed row slots (padding included), over every epoch and worker.
-        real_tokens = sum(int(epoch["real_tokens"]) for epoch in result["epochs"])
-        computed_tokens = sum(int(epoch["computed_tokens"]) for epoch in result["epochs"])
-        summary = {
-            "drafter_files": list(DRAFTER_FILES),
-            "engine_format": str(config.engine.kind),
-            "aux_layer_ids": block.get("aux_layer_ids"),
-            "convention_exported": block.get("convention_exported"),
-            "epochs": int(config.training.epochs),
-            "steps": len(history),
-            "final_loss": final_metrics.get("loss"),
-            "loss_per_epoch": [round(float(epoch["loss"]), 4) for epoch in result["epochs"]],
-            "final_accuracy": final_metrics.get("acc"),
-            "resumed_from_epoch": result["resumed_from_epoch"],
-            "workers": result["workers"],
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(result["trained_tokens"] / seconds, 3) if seconds > 0 else None,
-            "packing_efficiency": round(real_tokens / computed_tokens, 4) if computed_tokens else None,
-            # The exported drafter: the epoch with the best held-out acceptance length (else the last).
-            "held_out_samples": result["held_out_samples"],
-            "held_out_acceptance_length": [round(e["held_out_acceptance_length"], 4) for e in held_out],
-            "exported_epoch": result["best_epoch"]
-            if result["best_epoch"] is not None
-            else int(config.training.epochs) - 1,
-            "exported_held_out_acceptance_length": result["best_held_out_acceptance_length"],
+def produce(request: StageRequest) -> Manifest:
+    """Train the drafter on the extracted hidden states and store it in the engine's native format."""
+    config, work, hidden = request.config, request.work, request.inputs["hidden"]
+    folder = work_dir(config, work.key)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = _fit(config, hidden, work.key, folder, request.pids)
+    result = json.loads((final / "result.json").read_text())
+    history = [
+        {
+            "step": r["step"],
+            "loss": r["loss"],
+            "lr": r["lr"],
+            **{f"acc_{i}": a for i, a in enumerate(r["acc"])},
         }
-        return writer.commit("train", inputs=work.inputs, summary=summary)
+        for r in result["history"]
+    ]
+    held_out = [
+        {"epoch": e["epoch"], "held_out_acceptance_length": e["held_out_acceptance_length"]}
+        for e in result["epochs"]
+        if e.get("held_out_acceptance_length") is not None
+    ]
+    with tempfile.TemporaryDirectory(prefix="draftloop-train-") as scratch:
+        curves = plot_training_curves(history, Path(scratch) / "training_curves.png")
+        request.run.log_metric_history(history)
+        request.run.log_metric_history(held_out, step_key="epoch")
+        request.run.log_artifact(curves, "plots")  # the drafter: logged once, as register's model
+        writer = DatasetWriter(work.uri, storage_options=storage_options(config))
+        for name in DRAFTER_FILES:
+            writer.write_shard(name, (final / "drafter" / name).read_bytes(), rows=0)
+        writer.write_shard("training_history.json", json.dumps(result).encode(), rows=len(history))
+        writer.write_shard("training_curves.png", curves.read_bytes(), rows=0)
+    drafter_config = json.loads((final / "drafter" / "config.json").read_text())
+    block = drafter_config.get("draftloop", {})
+    final_metrics = result["final"]
+    seconds = float(result["seconds"])
+    # Real sample tokens over computed row slots (padding included), over every epoch and worker.
+    real_tokens = sum(int(epoch["real_tokens"]) for epoch in result["epochs"])
+    computed_tokens = sum(int(epoch["computed_tokens"]) for epoch in result["epochs"])
+    summary = {
+        "drafter_files": list(DRAFTER_FILES),
+        "engine_format": str(config.engine.kind),
+        "aux_layer_ids": block.get("aux_layer_ids"),
+        "convention_exported": block.get("convention_exported"),
+        "epochs": int(config.training.epochs),
+        "steps": len(history),
+        "final_loss": final_metrics.get("loss"),
+        "loss_per_epoch": [round(float(epoch["loss"]), 4) for epoch in result["epochs"]],
+        "final_accuracy": final_metrics.get("acc"),
+        "resumed_from_epoch": result["resumed_from_epoch"],
+        "workers": result["workers"],
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(result["trained_tokens"] / seconds, 3) if seconds > 0 else None,
+        "packing_efficiency": round(real_tokens / computed_tokens, 4) if computed_tokens else None,
+        # The exported drafter: the epoch with the best held-out acceptance length (else the last).
+        "held_out_samples": result["held_out_samples"],
+        "held_out_acceptance_length": [round(e["held_out_acceptance_length"], 4) for e in held_out],
+        "exported_epoch": result["best_epoch"]
+        if result["best_epoch"] is not None
+        else int(config.training.epochs) - 1,
+        "exported_held_out_acceptance_length": result["best_held_out_acceptance_length"],
+    }
+    return writer.commit("train", inputs=work.inputs, summary=summary)
 
-    return run_cached(
-        "train",
-        config,
-        SECTIONS,
-        {"hidden": hidden.manifest},
-        body,
-        on_start=on_start,
-        extra_inputs={"engine.kind": str(config.engine.kind), "data.max_length": str(config.data.max_length)},
-    )
+
+def key_fields(config: ExperimentConfig) -> dict[str, str]:
+    # Not the whole engine section: the drafter is saved in that engine's native format; samples are
+    # truncated at data.max_length.
+    return {"engine.kind": str(config.engine.kind), "data.max_length": str(config.data.max_length)}
 
 
-# Training is long and resumes from its checkpoints: one retry.
-@task(name="train", **stage_task_options(retries=1))
-def train_stage(ctx: CycleContext, hidden: StageOutcome) -> StageOutcome:
-    return execute_stage(
-        ctx, "train", lambda stage_run, on_start: run(ctx.config, hidden, stage_run, on_start)
-    )
+def gpus(config: ExperimentConfig) -> float:
+    return float(config.training.num_workers * config.training.num_gpus_per_worker)
+
+
+STAGE = Stage(
+    name="train",
+    produce=produce,
+    summary=TrainingSummary,
+    sections=("target", "training"),
+    inputs={"hidden": "extract"},
+    key_fields=key_fields,
+    gpus=gpus,
+    retries=1,  # training is long and resumes from its checkpoints
+    figures=(
+        Figure("epochs", "epochs"),
+        Figure("final_loss", "final loss"),
+        Figure("loss_per_epoch", "loss per epoch"),
+        Figure("final_accuracy", "final accuracy"),
+        Figure("held_out_acceptance_length", "held-out AL per epoch"),
+        Figure("exported_epoch", "exported epoch"),
+        Figure("tokens_per_s", "tokens/s"),
+    ),
+    description=(
+        "Everything up to a trained drafter (synthesize, extract, train), no serving or registration."
+    ),
+)

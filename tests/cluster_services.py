@@ -96,8 +96,8 @@ def ray_head(log_dir: Path, num_cpus: int = 2) -> Iterator[tuple[str, dict[str, 
     """A Ray head started with `ray start`; yields (address, env a driver needs to join it).
 
     Token auth stays on (Ray's default for a cluster): the token lives in a file both sides name
-    through RAY_AUTH_TOKEN_PATH, as infra/runtime/ray_cluster.py expects for a cluster address. AWS credentials are
-    kept out of the head's environment, so its workers only see what the driver passes them.
+    through RAY_AUTH_TOKEN_PATH, as infra/runtime/ray_cluster.py expects for a cluster address. AWS
+    credentials are kept out of the head's environment, so its workers only see what the driver passes them.
     """
     # Short: Ray's Unix socket paths must stay under 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="dlray-", dir="/tmp"))

@@ -172,8 +172,8 @@ def test_prefect_form_runs_the_flow_and_its_page_shows_the_summary(
 
 def _register_synthetic_versions(flow_env: FlowEnv, name: str) -> list[Any]:
     """Two versions through the project's own registration: v1 becomes champion, v2 is rejected."""
-    from draftloop.infra.runtime.config import GateConfig
     from draftloop.infra.registry.tracking import CycleResults, Tracker, register_drafter
+    from draftloop.infra.runtime.config import GateConfig
 
     tracker = Tracker(
         f"sqlite:///{flow_env.workdir}/mlflow.db", str(flow_env.workdir / "mlartifacts"), "browser-registry"

@@ -1,4 +1,5 @@
-"""infra/runtime/config.py and `draftloop config validate`: schema, overrides, validation before side effects."""
+"""infra/runtime/config.py and `draftloop config validate`: schema, overrides, validation before side
+effects."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The prompt data users bring (infra/synthesis/prompts.py): three formats as JSONL or parquet, local or S3, bad rows
-named by file, line and reason, set aside or fatal per `data.on_bad_row`, checked by `config validate`."""
+"""The prompt data users bring (infra/synthesis/prompts.py): three formats as JSONL or parquet, local or S3,
+bad rows named by file, line and reason, set aside or fatal per `data.on_bad_row`, checked by
+`config validate`."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from typer.testing import CliRunner
 from draftloop.cli import app
 from draftloop.commands.run import bad_input_behind
 from draftloop.infra.runtime.config import ExperimentConfig
-from draftloop.infra.synthesis.conversations import REJECTED_SHARD, SynthesisResult, first_turns, read_conversations
-from draftloop.infra.synthesis.prompts import DataError, input_fingerprint, read_input
 from draftloop.infra.runtime.storage import read_shard, storage_options, write_bytes_atomic
+from draftloop.infra.synthesis.conversations import (
+    REJECTED_SHARD,
+    SynthesisResult,
+    first_turns,
+    read_conversations,
+)
+from draftloop.infra.synthesis.prompts import DataError, input_fingerprint, read_input
 from draftloop.tasks import synthesize
 from draftloop.tasks.cache import StageError
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 from fixtures_engine import require_vllm_env, vllm_settings
 
-from draftloop.infra.extraction.extractor import HiddenStateExtractor
+from draftloop.infra.engines.base import EngineError, ExtractedHiddenStates, get_engine
+from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.extraction.engine import (
     EngineExtractionError,
     extract_through_server,
@@ -30,8 +31,7 @@ from draftloop.infra.extraction.engine import (
     sample_from_engine,
     target_depth,
 )
-from draftloop.infra.engines.base import EngineError, ExtractedHiddenStates, get_engine
-from draftloop.infra.engines.server import EngineServer
+from draftloop.infra.extraction.extractor import HiddenStateExtractor
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes, shard_layer_ids
 

@@ -11,10 +11,10 @@ import pytest
 from fake_engine import DOCTOR_PATCH, FakeEngine, fake_engine
 from fixtures_engine import tiny_llama_drafter, write_config
 
-from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.infra.engines.base import EngineError, get_engine, known_engines, register_engine
 from draftloop.infra.engines.doctor import format_report, run_doctor
 from draftloop.infra.engines.server import EngineServer
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.kernels.layer_ids import LayerIds
 
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.yaml"

@@ -17,6 +17,8 @@ import httpx
 import pytest
 from fixtures_engine import require_vllm_env, vllm_settings
 
+from draftloop.infra.engines.base import get_engine
+from draftloop.infra.engines.server import EngineServer, ServerSpec
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.synthesis.engine import (
     RequestPolicy,
@@ -24,8 +26,6 @@ from draftloop.infra.synthesis.engine import (
     regenerate_conversations,
     synthesis_engine,
 )
-from draftloop.infra.engines.base import get_engine
-from draftloop.infra.engines.server import EngineServer, ServerSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FAST = RequestPolicy(concurrency=4, max_attempts=3, timeout_s=30, backoff_s=0.0)

@@ -14,8 +14,6 @@ from fake_engine import fake_engine
 from test_evaluation_run import _sim, saved_drafter
 
 from draftloop.data.make_prompts import make_prompts
-from draftloop.infra.runtime.config import GateConfig
-from draftloop.infra.synthesis.prompts import builtin_prompts_path
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.evaluation.benchmark import (
@@ -41,6 +39,8 @@ from draftloop.infra.evaluation.verdict import (
     level_speedups,
 )
 from draftloop.infra.registry.tracking import CycleResults, description_table, evaluate_gate
+from draftloop.infra.runtime.config import GateConfig
+from draftloop.infra.synthesis.prompts import builtin_prompts_path
 from draftloop.kernels.counters import SpecCounters
 
 FAKE_AL = 1.0 + 0.6 + 0.4 + 0.2  # the fake speculative server's per-position acceptance, summed

@@ -98,8 +98,8 @@ def test_evaluate_through_ray_actors(tmp_path: Path, served_target: Path) -> Non
     """The flow's path: each server hosted by an EngineServerActor (num_gpus from the config, 0 here)."""
     import ray
 
-    from draftloop.infra.runtime.ray_cluster import ensure_ray
     from draftloop.infra.engines.actors import server_starter
+    from draftloop.infra.runtime.ray_cluster import ensure_ray
 
     ensure_ray(num_cpus=2)
     engine = fake_engine()

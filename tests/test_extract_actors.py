@@ -20,13 +20,6 @@ from moto_s3 import moto_s3_server
 from draftloop.infra.extraction.extractor import ExtractedShards, HiddenStateExtractor
 from draftloop.infra.extraction.tokenize import tokenize_conversation
 from draftloop.infra.runtime.config import ExperimentConfig
-from draftloop.infra.synthesis.conversations import (
-    CONVERSATIONS_SHARD_PREFIX,
-    conversation_count,
-    iter_conversations,
-    read_conversations,
-    to_jsonl,
-)
 from draftloop.infra.runtime.storage import (
     DatasetWriter,
     Manifest,
@@ -35,6 +28,13 @@ from draftloop.infra.runtime.storage import (
     StorageOptions,
     read_manifest,
     read_shard,
+)
+from draftloop.infra.synthesis.conversations import (
+    CONVERSATIONS_SHARD_PREFIX,
+    conversation_count,
+    iter_conversations,
+    read_conversations,
+    to_jsonl,
 )
 from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
 

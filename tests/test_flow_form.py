@@ -12,9 +12,9 @@ import yaml
 from prefect.utilities.callables import parameter_schema
 
 from draftloop.flows.cycle import TrainAndEvalParams, run_cycle
+from draftloop.flows.pipeline import CYCLE
 from draftloop.flows.train_and_eval import train_and_eval
 from draftloop.infra.runtime.services import deployment_run_command
-from draftloop.tasks.cache import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
@@ -34,7 +34,7 @@ def test_form_fields_are_flat_with_config_defaults() -> None:
         "overrides",
         "until",
     }
-    assert fields["until"]["default"] == STAGES[-1] == "register"
+    assert fields["until"]["default"] == CYCLE.names[-1] == "register"
     assert fields["config"]["default"] == "configs/tiny-llama.yaml"
     assert fields["num_samples"]["default"] == DEFAULT_CONFIG["data"]["num_samples"] == 256
     assert fields["num_speculative_tokens"]["default"] == DEFAULT_CONFIG["engine"]["num_speculative_tokens"]
@@ -84,11 +84,13 @@ def test_deploy_reads_the_same_form_from_source() -> None:
 def test_each_stage_deployment_is_the_one_flow_stopped_after_its_stage() -> None:
     deployments = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
     by_name = {deployment["name"]: deployment for deployment in deployments}
-    assert set(by_name) == {"train-and-eval", *STAGES[:-1]}
+    assert set(by_name) == {"train-and-eval", *CYCLE.names[:-1]}
     for name, deployment in by_name.items():
         assert deployment["entrypoint"] == "flows/train_and_eval.py:train_and_eval"
         assert deployment["parameters"] == ({} if name == "train-and-eval" else {"until": name})
         assert deployment["description"]
+        if name != "train-and-eval":  # a stage's deployment says what its declaration says
+            assert deployment["description"] == CYCLE.stage(name).description
 
 
 def test_an_unknown_stage_is_refused_before_anything_runs() -> None:

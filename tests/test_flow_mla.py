@@ -18,13 +18,13 @@ import yaml
 from fixtures_engine import shift_exported_layer_ids
 from fixtures_flow import REPO_ROOT, VLLM_PYTHON, FlowEnv, run_cycle_in_process
 
-from draftloop.infra.runtime.config import ExperimentConfig
-from draftloop.infra.synthesis.conversations import read_eval_prompts
 from draftloop.infra.engines.base import EngineConfigError, get_engine
 from draftloop.infra.evaluation.benchmark import BenchmarkPlan, ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.storage import read_manifest, read_shard, storage_options
+from draftloop.infra.synthesis.conversations import read_eval_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -16,12 +16,12 @@ import pytest
 import yaml
 from fixtures_flow import FlowEnv, run_cycle_in_process
 
-from draftloop.infra.runtime import storage
-from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.infra.engines.base import EngineConfigError, EngineSettings, ServerSpec, is_loopback
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.engines.vllm import VllmEngine
 from draftloop.infra.evaluation.benchmark import _Client
+from draftloop.infra.runtime import storage
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.infra.runtime.redaction import (
     REDACTED,
     install_log_redaction,

@@ -13,16 +13,19 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from draftloop.cli import app
 from draftloop.flows.cycle import TrainAndEvalParams
+from draftloop.flows.pipeline import CYCLE
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import is_alive
-from draftloop.infra.runtime.services import GPU_LIMIT, Service, stage_gpus, with_driver
-from draftloop.infra.runtime.storage import Manifest
-from draftloop.tasks.cache import StageOutcome, StageWork
-from draftloop.tasks.cycle import CycleContext, execute_stage
+from draftloop.infra.runtime.services import GPU_LIMIT, Service, with_driver
+from draftloop.infra.runtime.storage import DatasetWriter, Manifest
+from draftloop.tasks.cache import StageOutcome
+from draftloop.tasks.cycle import CycleContext
+from draftloop.tasks.stage import Stage, StageRequest, execute
 
 TEAM_VARIABLES = (
     "DRAFTLOOP_PREFECT_DATABASE_URL",
@@ -42,14 +45,14 @@ def test_each_stage_asks_for_the_whole_gpus_of_its_ray_requests() -> None:
         synthesis={"num_gpus": 1},
         engine={"num_gpus": 4},
     )
-    counts = {stage: stage_gpus(config, stage) for stage in ("synthesize", "extract", "train", "evaluate")}
-    assert counts == {"synthesize": 1, "extract": 2, "train": 2, "evaluate": 4}
-    assert stage_gpus(config, "register") == 0
+    counts = {stage.name: stage.gpu_slots(config) for stage in CYCLE.stages}
+    assert counts == {"synthesize": 1, "extract": 2, "train": 2, "evaluate": 4, "register": 0}
     engine_data = gpu_config(
         synthesis={"backend": "engine"}, extraction={"backend": "engine"}, engine={"num_gpus": 2}
     )
-    assert stage_gpus(engine_data, "synthesize") == stage_gpus(engine_data, "extract") == 2
-    assert stage_gpus(gpu_config(), "train") == 0  # a CPU config takes no slot
+    slots = {stage.name: stage.gpu_slots(engine_data) for stage in CYCLE.stages}
+    assert slots["synthesize"] == slots["extract"] == 2
+    assert CYCLE.stage("train").gpu_slots(gpu_config()) == 0  # a CPU config takes no slot
 
 
 def test_database_urls_get_each_servers_driver() -> None:
@@ -170,7 +173,7 @@ def _process_tree(leader: int) -> list[tuple[int, str, int]]:
 
 
 class _StageRun:
-    """What execute_stage asks of a stage's MLflow run, kept in memory."""
+    """What a stage run asks of its MLflow run, kept in memory."""
 
     def __init__(self) -> None:
         self.tags: dict[str, str] = {}
@@ -191,18 +194,34 @@ class _Tracker:
         yield _StageRun()
 
 
-def _train_stage(tmp_path: Path, cache_hit: bool, work: Callable[[], object]) -> Any:
-    """A `train` stage for execute_stage: `work()` runs where the real stage would do its work."""
+class _NoFigures(BaseModel):
+    pass
 
-    def run(stage_run: Any, on_start: Any) -> StageOutcome:
-        stage_work = StageWork("train", "key", str(tmp_path / "train"), {})
-        if not cache_hit:
-            on_start(stage_work)
+
+def _gpu_stage(work: Callable[[], object], on_outcome: Callable[[], object] = lambda: None) -> Stage:
+    """A stage declared with the train stage's GPUs: `work()` runs where a real stage does its work;
+    `on_outcome()` runs inside the stage, on a cache hit too."""
+
+    def produce(request: StageRequest) -> Manifest:
         work()
-        manifest = Manifest(stage="train", uri=stage_work.uri, shards=[], created_at="now")
-        return StageOutcome("train", "key", stage_work.uri, manifest, cache_hit=cache_hit, seconds=0.0)
+        writer = DatasetWriter(request.work.uri)
+        return writer.commit("gpu-stage", inputs=request.work.inputs, summary={})
 
-    return run
+    return Stage(
+        name="gpu-stage",
+        produce=produce,
+        summary=_NoFigures,
+        sections=("training",),
+        gpus=CYCLE.stage("train").gpus,
+        on_outcome=lambda ctx, outcome: on_outcome(),
+    )
+
+
+def _gpu_context(tmp_path: Path) -> CycleContext:
+    config = gpu_config(
+        training={"num_workers": 2, "num_gpus_per_worker": 1}, storage={"root": str(tmp_path / "store")}
+    )
+    return CycleContext(config, "run-1", _Tracker(), str(tmp_path / "run"))  # type: ignore[arg-type]
 
 
 def test_a_stage_that_runs_holds_its_gpus_and_a_cache_hit_none(
@@ -216,12 +235,13 @@ def test_a_stage_that_runs_holds_its_gpus_and_a_cache_hit_none(
         yield
         events.append(f"release {count}")
 
-    monkeypatch.setattr("draftloop.tasks.cycle.hold_gpus", recording_hold)
-    config = gpu_config(training={"num_workers": 2, "num_gpus_per_worker": 1})
-    context = CycleContext(config, "run-1", _Tracker(), str(tmp_path / "run"))  # type: ignore[arg-type]
-    execute_stage(context, "train", _train_stage(tmp_path, False, lambda: events.append("work")))
-    execute_stage(context, "train", _train_stage(tmp_path, True, lambda: events.append("cached")))
-    assert events == ["take 2", "work", "release 2", "cached"]
+    monkeypatch.setattr("draftloop.tasks.stage.hold_gpus", recording_hold)
+    context = _gpu_context(tmp_path)
+    stage = _gpu_stage(lambda: events.append("work"), lambda: events.append("outcome"))
+    first: StageOutcome = execute(stage, context)
+    second: StageOutcome = execute(stage, context)
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert events == ["take 2", "work", "outcome", "release 2", "outcome"]
 
 
 def _active_slots(api: str) -> int:
@@ -276,18 +296,14 @@ def test_up_starts_a_light_mlflow_and_the_gpu_limit_a_stage_holds(
         api = f"{services['prefect-server'].url}/api"
         limit = httpx.get(f"{api}/v2/concurrency_limits/{GPU_LIMIT}", timeout=30).json()
         assert (limit["limit"], limit["active_slots"]) == (2, 0)
-        config = gpu_config(training={"num_workers": 2, "num_gpus_per_worker": 1})
-        context = CycleContext(config, "run-1", _Tracker(), str(tmp_path / "run"))  # type: ignore[arg-type]
+        context = _gpu_context(tmp_path)
         held: list[int] = []
+        stage = _gpu_stage(lambda: None, lambda: held.append(_active_slots(api)))
 
         with temporary_settings(updates={PREFECT_API_URL: api}):
-            execute_stage(
-                context, "train", _train_stage(tmp_path, False, lambda: held.append(_active_slots(api)))
-            )
+            execute(stage, context)
             after = _active_slots(api)
-            execute_stage(
-                context, "train", _train_stage(tmp_path, True, lambda: held.append(_active_slots(api)))
-            )
+            execute(stage, context)  # a cache hit: its outcome comes from storage
         assert held == [2, 0]  # held while running; a cache hit waits for no GPU
         assert after == 0  # released when the stage ended
         print(f"up + checks: {time.monotonic() - started:.1f} s")

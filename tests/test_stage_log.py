@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 
+from draftloop.flows.pipeline import CYCLE
 from draftloop.infra.runtime.ray_logging import RAY_TRAIN_CLEANER_LOGGER, quiet_ray_train_cleaner
-from draftloop.tasks.cycle import stage_report
 
 
 def test_stage_report_shows_rounded_key_figures() -> None:
-    line = stage_report(
-        "synthesize",
+    line = CYCLE.stage("synthesize").report(
         {"rows": 240, "rejected": 16, "rows_per_s": 12.3456789, "tokens_per_s": 1034.5678, "target": "/x"},
         seconds=19.44,
         cache_hit=False,
@@ -26,7 +25,7 @@ def test_train_report_shows_loss_and_held_out_acceptance_per_epoch() -> None:
         "exported_epoch": 2,
         "tokens_per_s": 696.4,
     }
-    line = stage_report("train", summary, seconds=199.5, cache_hit=False)
+    line = CYCLE.stage("train").report(summary, seconds=199.5, cache_hit=False)
     assert "loss per epoch [5.91, 4.5, 4.12]" in line
     assert "held-out AL per epoch [1.24, 1.85, 2.61], exported epoch 2" in line
 
@@ -71,14 +70,14 @@ def test_stage_report_reads_nested_evaluation_results() -> None:
         "engine": "vllm",
         "results": {"mean_acceptance_length": 2.2371, "acceptance_rate": 0.41234, "speedup": {"1": 1.912}},
     }
-    line = stage_report("evaluate", summary, seconds=120.0, cache_hit=False)
+    line = CYCLE.stage("evaluate").report(summary, seconds=120.0, cache_hit=False)
     assert "acceptance length 2.24" in line
     assert "speedup @ concurrency 1 (x) 1.91" in line
     assert "recommended k" not in line  # absent figures are left out, not shown as None
 
 
 def test_cached_stage_says_it_was_reused() -> None:
-    assert "reused" in stage_report("train", {"final_loss": 1.0}, seconds=0.1, cache_hit=True)
+    assert "reused" in CYCLE.stage("train").report({"final_loss": 1.0}, seconds=0.1, cache_hit=True)
 
 
 def test_ray_train_cleaner_warnings_are_silenced() -> None:

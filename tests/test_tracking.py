@@ -1,4 +1,4 @@
-"""MLflow tracking, registry and gate (no engine, no flow): infra/registry/tracking.py against a real SQLite MLflow."""
+"""MLflow tracking, registry and gate (no engine, no flow): infra/registry/ against a real SQLite MLflow."""
 
 from __future__ import annotations
 

@@ -15,12 +15,12 @@ from fake_engine import fake_engine
 from fixtures_kernels import builtin_prompts, load_target, untrained_drafter
 from test_evaluation_run import saved_drafter
 
-from draftloop.infra.extraction import engine as engine_extraction
-from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.evaluation import run
 from draftloop.infra.evaluation.benchmark import BenchmarkPlan
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import NumericMode, encode_prompts, run_simulator
+from draftloop.infra.extraction import engine as engine_extraction
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.kernels.checkpoint import save_drafter
 from draftloop.kernels.layer_ids import LayerIds
 

@@ -1,4 +1,4 @@
-"""infra/targets/zoo.py and `draftloop models create`: tiny targets that load, generate and are reproducible."""
+"""infra/targets/zoo.py, `draftloop models create`: tiny targets that load, generate and are reproducible."""
 
 from __future__ import annotations
 

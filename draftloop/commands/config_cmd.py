@@ -8,8 +8,8 @@ from typing import Any
 import typer
 
 from draftloop.infra.runtime.config import ConfigError, ExperimentConfig, parse_override_value
-from draftloop.infra.synthesis.prompts import DataError, InputData, read_input_from_config
 from draftloop.infra.runtime.storage import storage_options
+from draftloop.infra.synthesis.prompts import DataError, InputData, read_input_from_config
 
 config_app = typer.Typer(help="Experiment configs: validate and show them resolved.", no_args_is_help=True)
 

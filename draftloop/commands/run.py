@@ -8,6 +8,7 @@ the flow runs up to `--until`, and a summary table is printed; `summary.json` la
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ from rich.table import Table
 
 from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options, read_data_or_exit
 from draftloop.infra.runtime.processes import state_dir
-from draftloop.tasks.cache import STAGES
 
 # The demo's config: a tiny random-weight Llama built locally, served by vLLM on CPU.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
@@ -84,8 +84,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def bad_input_behind(error: BaseException) -> BaseException | None:
     """The user-input error (a refused drafter/target pairing, an unreadable checkpoint, bad prompt data)
     a stage failure comes from, if any: the cycle then exits 2 with its one-line message."""
-    from draftloop.infra.synthesis.prompts import DataError
     from draftloop.infra.engines.base import EngineConfigError
+    from draftloop.infra.synthesis.prompts import DataError
     from draftloop.kernels.checkpoint import DrafterFormatError
 
     seen: set[int] = set()
@@ -101,9 +101,6 @@ def bad_input_behind(error: BaseException) -> BaseException | None:
 def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
     """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
     console = Console()
-    if until not in STAGES:
-        console.print(f"[red]error:[/red] --until: unknown stage {until!r}; stages: {', '.join(STAGES)}")
-        raise typer.Exit(2)
     # creates nothing; bad prompt data is one line and exit 2 here, before any service starts
     read_data_or_exit(load_config_or_exit(config_path, set_options))
     state = state_dir()
@@ -113,11 +110,16 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
     # sqlite will not create it either: made here, once the config is accepted.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     # Imported only now: Prefect reads its settings on import, which must be the ones set above.
+    from draftloop.flows.pipeline import CYCLE
     from draftloop.flows.train_and_eval import train_and_eval
-    from draftloop.tasks.cycle import PROGRESS_LISTENERS
+    from draftloop.tasks.cycle import PROGRESS_LOG
 
+    try:
+        stages = CYCLE.until(until).names
+    except ValueError as error:
+        console.print(f"[red]error:[/red] --{error}")
+        raise typer.Exit(2) from None
     overrides = parse_set_options(set_options)
-    stages = STAGES[: STAGES.index(until) + 1]
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -136,7 +138,12 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
             elif event == "failed":
                 progress.update(bar, description=f"[red]{stage} (failed)")
 
-        PROGRESS_LISTENERS.append(on_event)
+        class ProgressBars(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                on_event(getattr(record, "stage", ""), getattr(record, "event", ""))
+
+        bars_handler = ProgressBars()
+        PROGRESS_LOG.addHandler(bars_handler)
         try:
             summary = train_and_eval(config=str(config_path), overrides=overrides, until=until)
         except Exception as error:
@@ -148,12 +155,12 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
             console.print(f"[red]cycle failed:[/red] {error}")
             raise typer.Exit(1) from error
         finally:
-            PROGRESS_LISTENERS.remove(on_event)
+            PROGRESS_LOG.removeHandler(bars_handler)
     console.print(summary_table(summary))
 
 
 _SET_HELP = 'Override a config field, "section.field=value" (repeatable)'
-_UNTIL_HELP = f"Last stage to run: {', '.join(STAGES)}"
+_UNTIL_HELP = "Last stage to run (default: register, the whole cycle)"
 
 
 def register(app: typer.Typer) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import ray
 
-from draftloop.infra.runtime.ray_cluster import kill_actors
 from draftloop.infra.engines.base import Engine
 from draftloop.infra.engines.server import (
     EngineServer,
@@ -25,6 +24,7 @@ from draftloop.infra.engines.server import (
     clean_stale_servers,
 )
 from draftloop.infra.runtime.processes import PidRecord
+from draftloop.infra.runtime.ray_cluster import kill_actors
 
 # How long a server may take to shut down from inside its actor before the actor is killed.
 _STOP_TIMEOUT_S = 60

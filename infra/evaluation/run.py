@@ -25,7 +25,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.engines.base import Engine, EngineConfigError, EngineError, read_json
 from draftloop.infra.engines.pairing import ServingContract, check_drafter_pairing
 from draftloop.infra.evaluation.benchmark import BenchmarkPlan, ServerRun, benchmark_server
@@ -50,6 +49,7 @@ from draftloop.infra.evaluation.verdict import (
     exported_layer_id_mismatch,
     level_speedups,
 )
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.kernels.families.base import family_for_config
 
 # start_server(name, drafter_dir, num_speculative_tokens): a context manager yielding a running server.

@@ -28,12 +28,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from draftloop.infra.extraction.tokenize import tokenize_conversation
-from draftloop.infra.runtime.ray_cluster import ensure_ray
-from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.engines.actors import start_server_actor
 from draftloop.infra.engines.base import Engine, ExtractedHiddenStates, get_engine
+from draftloop.infra.extraction.tokenize import tokenize_conversation
+from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord, state_dir
+from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.kernels.families.base import family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import TARGET_DTYPE_KEY, pack_hidden_shard, shard_metadata, shard_to_bytes
@@ -224,7 +224,7 @@ def extract_with_engine(
 ) -> EngineExtractionResult:
     """Start the engine in extraction mode in a Ray actor (the evaluation's lifecycle: fail-fast start,
     PID recorded, stopped by PID), extract every conversation through it, stop it."""
-    ensure_ray(config.ray.address)
+    ensure_ray(config.ray.address, pids)
     run_dir = state_dir() / "work" / str(config.name) / "extract-engine"
     hidden_dir = run_dir / "hidden-states"
     shutil.rmtree(hidden_dir, ignore_errors=True)  # files a killed earlier attempt left

@@ -19,7 +19,6 @@ from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
 from draftloop.kernels.shards import shard_chunks
 
-
 _SKIP_EXAMPLES = 3
 
 

@@ -32,7 +32,6 @@ from pydantic import (
     model_validator,
 )
 
-from draftloop.infra.targets import zoo
 from draftloop.infra.engines.base import (
     EngineConfigError,
     EngineSettings,
@@ -40,6 +39,7 @@ from draftloop.infra.engines.base import (
     engine_class,
     is_loopback,
 )
+from draftloop.infra.targets import zoo
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import LrSchedule, TrainConfig

@@ -10,29 +10,15 @@ from __future__ import annotations
 import importlib
 import os
 import tempfile
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftloop.infra.synthesis.conversations import (
-    SynthesisResult,
-    first_turns,
-    iter_conversations,
-    prompt_too_long,
-    split_reasoning,
-    templated_prompt,
-)
-from draftloop.infra.runtime.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
-from draftloop.kernels.extract import extract_hidden_states
-from draftloop.kernels.layer_ids import LayerIds, normalize_convention
-from draftloop.kernels.shards import shard_chunks
+from draftloop.infra.runtime.internals import ray_head_pids
+from draftloop.infra.runtime.processes import PidRecord
 
 # Ray 2.60 turns token auth on and writes ~/.ray/auth_token; a local, in-process cluster needs neither.
 _LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -40,8 +26,6 @@ _LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 _DEFAULT_RAY_TMPDIR = str(Path(tempfile.gettempdir()) / "draftloop-ray")
 
 _started_here = False
-# Called with no arguments right after this process starts a local Ray (the flow records its PIDs).
-RAY_START_CALLBACKS: list[Callable[[], None]] = []
 
 
 def ray_environment(address: str | None) -> dict[str, str]:
@@ -56,8 +40,11 @@ def ray_environment(address: str | None) -> dict[str, str]:
     return env
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
-    """Connect to (or start) Ray once in this process. Returns True when this call started it."""
+def ensure_ray(
+    address: str | None = None, pids: PidRecord | None = None, num_cpus: int | None = None
+) -> bool:
+    """Connect to (or start) Ray once in this process. Returns True when this call started it; then
+    the head processes it started are recorded in `pids` (a cycle's record: stopped should it die)."""
     global _started_here
 
     if ray.is_initialized():
@@ -81,9 +68,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         },
     )
     _started_here = True
-    for callback in list(RAY_START_CALLBACKS):
-        with suppress(Exception):
-            callback()
+    if pids is not None:
+        pids.add("ray", ray_head_pids())
     return True
 
 

@@ -15,7 +15,6 @@ SIGKILL. PREFECT_HOME, logs and PID files live under `.draftloop/services/`.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shlex
@@ -33,7 +32,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import is_alive, state_dir, stop_processes
 
 WORK_POOL = "draftloop"
@@ -264,20 +262,6 @@ def ensure_gpu_limit(api_url: str, slots: int) -> dict[str, Any]:
     current.raise_for_status()
     limit: dict[str, Any] = current.json()
     return limit
-
-
-def stage_gpus(config: ExperimentConfig, stage: str) -> int:
-    """Whole GPUs `stage` takes while it runs (its Ray resource requests, rounded up)."""
-    engine = config.engine.num_gpus
-    requested = {
-        "synthesize": engine if config.synthesis.backend == "engine" else config.synthesis.num_gpus,
-        "extract": engine
-        if config.extraction.backend == "engine"
-        else config.extraction.num_actors * config.extraction.num_gpus_per_actor,
-        "train": config.training.num_workers * config.training.num_gpus_per_worker,
-        "evaluate": engine,  # the baseline server, then the speculative one
-    }.get(stage, 0.0)
-    return math.ceil(requested)
 
 
 @contextmanager

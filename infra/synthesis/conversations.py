@@ -63,8 +63,8 @@ class SynthesisResult:
         self.rejected.append({"id": row_id, "reason": reason})
 
     def add_answer(self, prompt: Mapping[str, Any], content: str, reasoning: str | None) -> None:
-        """Keep the target's answer to `prompt` (an input row, infra/synthesis/prompts.py) after its first user turn
-        (system turns kept); an empty answer is a rejection."""
+        """Keep the target's answer to `prompt` (an input row, infra/synthesis/prompts.py) after its first
+        user turn (system turns kept); an empty answer is a rejection."""
         if not content:
             self.reject(prompt["id"], "empty answer")
             return

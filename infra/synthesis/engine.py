@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
+from draftloop.infra.engines.base import Engine, get_engine
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.synthesis.conversations import SynthesisResult, split_reasoning
-from draftloop.infra.engines.base import Engine, get_engine
 
 Message = dict[str, Any]  # {"role", "content"} (+ "reasoning" on a regenerated assistant turn)
 # An input conversation: {"id", "messages"}; a prompt row {"id", "prompt"} is one user turn.
