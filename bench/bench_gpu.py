@@ -269,18 +269,14 @@ def bench_training(s: dict[str, int], dev: str, reps: int, ttts: tuple[int, ...]
     bench_peer(s, dev, reps, ttts)
 
 
-def bench_peer(s: dict[str, int], dev: str, reps: int, ttts: tuple[int, ...]) -> None:
-    """The speculators library's EAGLE-3 step on the same drafter shape and synthetic states."""
-    try:
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.losses.utils import resolve_loss_config
-        from speculators.models.eagle3 import Eagle3SpeculatorConfig
-        from speculators.models.eagle3.core import Eagle3DraftModel
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-        from transformers import LlamaConfig
-    except ImportError as error:
-        log("speculators_error", repr(error))
-        return
+def peer_model(s: dict[str, int]) -> Any:
+    """The speculators library's EAGLE-3 drafter (speculators 0.9.0) on the drafter shape `s`."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
     layer = LlamaConfig(
         hidden_size=s["H"],
         intermediate_size=s["I"],
@@ -303,13 +299,25 @@ def bench_peer(s: dict[str, int], dev: str, reps: int, ttts: tuple[int, ...]) ->
         speculators_config=spec,
         eagle_aux_hidden_state_layer_ids=list(LayerIds.default_for_depth(s["L"]).ids),
     )
+    return Eagle3DraftModel(cfg)
+
+
+def bench_peer(s: dict[str, int], dev: str, reps: int, ttts: tuple[int, ...]) -> None:
+    """The speculators library's EAGLE-3 step on the same drafter shape and synthetic states."""
+    try:
+        from speculators.losses.utils import resolve_loss_config
+
+        peer_model(s)  # the library and its config classes import
+    except ImportError as error:
+        log("speculators_error", repr(error))
+        return
     batch = synthetic_batch(s, dev)
     seq = s["SEQ"]
     for ttt in ttts:
         for stance in ("default", "force_eager"):  # compiled model (its default) and eager
             torch.compiler.set_stance(stance)
             torch.manual_seed(0)
-            model = Eagle3DraftModel(cfg).to(dev)
+            model = peer_model(s).to(dev)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
             loss_cfg = resolve_loss_config("kl_div", "eager")  # its fused loss breaks on torch 2.11
             doc = torch.zeros(1, seq, dtype=torch.long, device=dev)

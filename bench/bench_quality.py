@@ -189,7 +189,7 @@ def build_peer(
 ) -> Any:
     """speculators' Eagle3DraftModel shaped like draftloop's drafter for this target, with the
     target's embedding, lm_head (frozen, as speculators trains) and final norm loaded by its own loader."""
-    from bench_realistic import peer_model
+    from bench_gpu import peer_model
 
     embed, lm_head, final_norm = target_tensors
     target = json.loads((target_dir / "config.json").read_text())

@@ -38,7 +38,7 @@ from draftloop.kernels.packing import collate_rows, pack_first_fit_decreasing
 from draftloop.kernels.train import TrainConfig, train_drafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import matmul_peak, shapes, target_config
+from bench_gpu import matmul_peak, peer_model, shapes, target_config
 
 SAMPLES_PER_SHARD = 16
 MEDIAN_TOKENS, SIGMA, MIN_TOKENS = 600, 0.8, 16
@@ -176,38 +176,6 @@ def draftloop_run(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return out
-
-
-def peer_model(s: dict[str, int]) -> Any:
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.models.eagle3.core import Eagle3DraftModel
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
-
-    layer = LlamaConfig(
-        hidden_size=s["H"],
-        intermediate_size=s["I"],
-        num_attention_heads=s["NH"],
-        num_key_value_heads=s["NKV"],
-        vocab_size=s["V"],
-        num_hidden_layers=1,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-    )
-    spec = SpeculatorsConfig(
-        algorithm="eagle3",
-        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-        default_proposal_method="greedy",
-        verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
-    )
-    cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=s["VD"],
-        speculators_config=spec,
-        eagle_aux_hidden_state_layer_ids=list(LayerIds.default_for_depth(s["L"]).ids),
-    )
-    return Eagle3DraftModel(cfg)
 
 
 def peer_run(

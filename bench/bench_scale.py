@@ -1,6 +1,6 @@
 """Memory flat in data size (CPU, tiny-llama): peak RSS of the extract and train stages at N and 8N samples.
 
-Each stage runs in its own driver process (the product's stage code: tasks.extract.run, tasks.train.run,
+Each stage runs in its own driver process (the product's stage code: tasks.extract.STAGE, tasks.train.STAGE,
 with their Ray actors / Ray Train workers); a sampler reads /proc/<pid>/status VmHWM of every process
 in the driver's tree (Ray's own processes included) every 0.1 s and keeps each process's largest value;
 a stage's peak is the sum over its processes. Synthesis is not measured: conversations are generated
@@ -157,6 +157,9 @@ def _config(workdir: Path, samples: int) -> Any:
     raw["extraction"]["samples_per_shard"] = SAMPLES_PER_SHARD
     raw["training"].update({"epochs": 1, "ttt_length": 3, "batch_size": 8})
     raw["storage"]["root"] = str(workdir / "runs")
+    raw["tracking"].update(
+        {"mlflow_uri": f"sqlite:///{workdir}/mlflow.db", "artifact_root": str(workdir / "mlartifacts")}
+    )
     return ExperimentConfig.from_dict(raw, check_environment=False)
 
 
@@ -208,19 +211,20 @@ def run_stage(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
     """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train)."""
     from draftloop.infra.runtime.ray_cluster import shutdown_ray
     from draftloop.tasks import extract, train
+    from draftloop.tasks.stage import run_alone
 
     config = _config(workdir, samples)
     conversations = _synthetic_conversations(config, samples)
     start_ray(config.ray.address)
     started = time.perf_counter()
-    hidden = extract.run(config, conversations)
+    hidden = run_alone(extract.STAGE, config, {"synthesize": conversations})
     if stage == "extract":
         assert not hidden.cache_hit
         outcome = hidden
     else:
         assert hidden.cache_hit, "run the extract stage first"
         started = time.perf_counter()
-        outcome = train.run(config, hidden)
+        outcome = run_alone(train.STAGE, config, {"extract": hidden})
         assert not outcome.cache_hit
     seconds = time.perf_counter() - started
     shutdown_ray()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
@@ -20,14 +21,14 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
-from draftloop.infra.registry.tracking import StageRun, error_excerpt
+from draftloop.infra.registry.tracking import StageRun, Tracker, error_excerpt
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord
 from draftloop.infra.runtime.redaction import redact_text
 from draftloop.infra.runtime.services import hold_gpus
 from draftloop.infra.runtime.storage import Manifest
 from draftloop.tasks.cache import StageError, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, StageTiming, figure_text
+from draftloop.tasks.cycle import CycleContext, StageTiming, figure_text, run_folder_uri
 from draftloop.tasks.retry import is_transient, stage_task_options
 
 SummaryT = TypeVar("SummaryT", bound=BaseModel)
@@ -259,3 +260,12 @@ def run_stage(stage: Stage, ctx: CycleContext) -> StageOutcome:
 def submit(stage: Stage, ctx: CycleContext) -> StageOutcome:
     """Run `stage` as its own Prefect task run, named after it, with its declared retries."""
     return run_stage.with_options(name=stage.name, retries=stage.retries)(stage, ctx)
+
+
+def run_alone(stage: Stage, config: ExperimentConfig, upstream: Mapping[str, StageOutcome]) -> StageOutcome:
+    """Run one stage outside a cycle (a benchmark's driver, a test): no parent MLflow run, no Prefect
+    task; `upstream` holds the outcomes its inputs name, by producing stage."""
+    run_id = f"alone-{uuid.uuid4().hex[:12]}"
+    ctx = CycleContext(config, run_id, Tracker.from_config(config), run_folder_uri(config, run_id))
+    ctx.outcomes.update(upstream)
+    return execute(stage, ctx)

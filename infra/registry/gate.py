@@ -1,0 +1,165 @@
+"""The gate: a cycle's results (one typed value), the current champion's figures, and whether a new version passes.
+
+`evaluation.gate` in the config says what a drafter must reach; `evaluate_gate` applies it and says why
+(reasons when it fails, notes for the checks it skipped). Reasons are prose people read in the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from draftloop.infra.registry.figures import format_figure
+from draftloop.infra.runtime.config import GateConfig
+
+CHAMPION_ALIAS = "champion"
+
+
+@dataclass
+class CycleResults:
+    """The figures the gate and the model-version description are made of."""
+
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    speedup: dict[int, float] = field(default_factory=dict)  # per concurrency
+    throughput: dict[int, float] = field(default_factory=dict)  # output tokens/s per concurrency
+    simulator_acceptance_rate: float | None = None
+    consistent: bool | None = None  # engine vs simulator within tolerance
+    lossless: bool | None = None
+    # Per concurrency: "ok", "inconclusive" (interval contains 1.0) or "measurement_error" (with why).
+    speedup_status: dict[int, str] = field(default_factory=dict)
+    recommended_k: int | None = None  # the k the evaluation recommends serving
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "speedup": {str(k): v for k, v in self.speedup.items()},
+            "throughput": {str(k): v for k, v in self.throughput.items()},
+            "simulator_acceptance_rate": self.simulator_acceptance_rate,
+            "consistent": self.consistent,
+            "lossless": self.lossless,
+            "speedup_status": {str(k): v for k, v in self.speedup_status.items()},
+            "recommended_k": self.recommended_k,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CycleResults:
+        return cls(
+            acceptance_rate=data.get("acceptance_rate"),
+            mean_acceptance_length=data.get("mean_acceptance_length"),
+            per_position_acceptance=list(data.get("per_position_acceptance") or []),
+            speedup={int(k): float(v) for k, v in (data.get("speedup") or {}).items()},
+            throughput={int(k): float(v) for k, v in (data.get("throughput") or {}).items()},
+            simulator_acceptance_rate=data.get("simulator_acceptance_rate"),
+            consistent=data.get("consistent"),
+            lossless=data.get("lossless"),
+            speedup_status={int(k): str(v) for k, v in (data.get("speedup_status") or {}).items()},
+            recommended_k=data.get("recommended_k"),
+        )
+
+
+@dataclass
+class GateDecision:
+    passed: bool
+    reasons: list[str]  # why it failed (empty when passed)
+    notes: list[str]  # checks that were skipped, with why
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reasons": self.reasons, "notes": self.notes}
+
+
+def evaluate_gate(
+    gate: GateConfig,
+    results: CycleResults,
+    champion_length: float | None,
+    champion_version: str | None = None,
+) -> GateDecision:
+    """Apply `evaluation.gate` to a cycle's results.
+
+    `min_speedup` is checked at concurrency 1 (a single stream is where speculation must pay);
+    null means "not gated" and the reason is kept, because tiny CPU targets are compute-bound.
+    The champion is beaten at the registry's resolution (3 decimals, what its tags hold).
+    """
+    reasons: list[str] = []
+    notes: list[str] = []
+    if gate.min_speedup is None:
+        notes.append(
+            "min_speedup not gated (evaluation.gate.min_speedup is null: a tiny target on a CPU is "
+            "compute-bound, speculation cannot pay there)"
+        )
+    else:
+        speedup = results.speedup.get(1)
+        status = results.speedup_status.get(1, "ok")
+        if speedup is None:
+            reasons.append("no speedup measured at concurrency 1")
+        elif not status.startswith("ok"):
+            # Never promote on a flagged figure.
+            reasons.append(f"speedup at concurrency 1 ({speedup:.2f}x) is flagged: {status}")
+        elif speedup < gate.min_speedup:
+            reasons.append(f"speedup at concurrency 1 is {speedup:.2f}x < min_speedup {gate.min_speedup}x")
+    if gate.require_consistency:
+        if results.lossless is False:
+            reasons.append("greedy outputs of the speculative server differ from the baseline's")
+        if results.consistent is None:
+            reasons.append("engine/simulator consistency was not measured")
+        elif not results.consistent:
+            reasons.append(
+                f"engine acceptance {format_figure(results.acceptance_rate)} disagrees with the simulator's "
+                f"{format_figure(results.simulator_acceptance_rate)} (integration fault)"
+            )
+    length = results.mean_acceptance_length
+    if gate.min_acceptance_length is not None:
+        if length is None:
+            reasons.append("no mean acceptance length measured")
+        elif length < gate.min_acceptance_length:
+            reasons.append(
+                f"mean acceptance length {length:.2f} < min_acceptance_length {gate.min_acceptance_length}"
+            )
+    if gate.beat_champion:
+        champion = f"champion v{champion_version}" if champion_version else "the champion"
+        if champion_length is None:
+            notes.append("no current champion to beat")
+        elif length is None:
+            reasons.append(f"no mean acceptance length to compare with {champion}'s {champion_length:.2f}")
+        elif round(length, 3) <= champion_length:
+            reasons.append(
+                f"mean acceptance length {length:.2f} does not beat {champion}'s {champion_length:.2f}"
+            )
+    return GateDecision(passed=not reasons, reasons=reasons, notes=notes)
+
+
+
+def tag_float(tags: Mapping[str, str], key: str) -> float | None:
+    try:
+        return float(tags[key])
+    except (KeyError, ValueError):
+        return None
+
+
+@dataclass
+class ChampionFigures:
+    """The current champion as its tags tell it (what a challenger is compared with)."""
+
+    version: str
+    mean_acceptance_length: float | None
+    speedup_c1: float | None
+
+
+def current_champion(client: MlflowClient, name: str) -> ChampionFigures | None:
+    try:
+        version = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
+    except MlflowException:
+        return None
+    return ChampionFigures(
+        version=str(version.version),
+        mean_acceptance_length=tag_float(version.tags, "mean_acceptance_length"),
+        speedup_c1=tag_float(version.tags, "speedup_c1"),
+    )
+
