@@ -8,7 +8,7 @@ One dataset, two trainers, one simulator:
    `data.eval_prompts` builtin prompts, never trained on).
 2. draftloop: the train stage's worker body (infra/training/worker.py `train_worker`, Ray-free with one
    worker) with the config's training section (no held-out epoch selection: the last epoch is exported).
-3. speculators 0.9.0: its own `Eagle3DraftModel` (built by bench/bench_realistic.py `peer_model`) with
+3. speculators 0.9.0: its own `Eagle3DraftModel` (built by bench/bench_gpu.py `peer_model`) with
    its own verifier-weight loading, sample shift (`shift_batch`), packing (`CollateFn`), TTT forward and
    kl_div loss, its optimizer builder (AdamW) and its default linear warm-up/decay schedule, driven by a
    plain loop (its `Trainer` needs CUDA). Every optimizer step trains the same samples as draftloop's

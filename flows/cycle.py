@@ -25,7 +25,8 @@ from prefect.states import State
 from pydantic import BaseModel, Field
 
 from draftloop.flows.pipeline import CYCLE
-from draftloop.infra.registry.tracking import StageRun, Tracker, flatten_params, format_figure
+from draftloop.infra.registry.figures import format_figure
+from draftloop.infra.registry.runs import StageRun, Tracker, flatten_params
 from draftloop.infra.runtime import ray_cluster
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.internals import ephemeral_prefect_server_pids

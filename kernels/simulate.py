@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from .attention import Chain, Decode, KVPair
 from .capture import capture_aux_hidden_states
 from .counters import SpecCounters
 from .layer_ids import LayerIds
@@ -50,7 +51,6 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length"]
-KeyValue = tuple[Tensor, Tensor]
 
 
 class SimulationInputError(ValueError):
@@ -275,7 +275,7 @@ def speculative_generate(
     pending_tokens = torch.cat([prompt_ids[:, 1:], next_token], dim=1)  # [1, T]
     pending_start = 0
     # The drafter's K/V for verified positions 0..start-1, all from passes over TARGET hidden states.
-    drafter_kv: KeyValue | None = None
+    drafter_kv: KVPair | None = None
 
     while finished is None:
         # ---- propose k drafts (vLLM: SpecDecodeBaseProposer.propose) --------------------------------
@@ -287,7 +287,7 @@ def speculative_generate(
             drafter.fuse(pending_hidden),
             pending_tokens,
             positions.unsqueeze(0),
-            past=[drafter_kv] if drafter_kv is not None else None,
+            Decode(past=[drafter_kv] if drafter_kv is not None else []),
         )
         drafter_kv = first_kv if drafter_kv is None else _cat_kv(drafter_kv, first_kv)
         hidden = hidden[:, -1:]  # prenorm hidden at position P-1
@@ -295,11 +295,11 @@ def speculative_generate(
         drafts = [draft]
         # Steps 1..k-1, the chain: one position further each step, fed the drafter's own prenorm hidden
         # state and its own last draft; the chain's K/V are only visible to later chain steps.
-        chain_kv: list[KeyValue] = [drafter_kv]
+        chain_kv: list[KVPair] = [drafter_kv]
         position = positions[-1:]
         for _ in range(k - 1):
             position = position + 1
-            hidden, step_kv = drafter(hidden, draft, position.unsqueeze(0), past=chain_kv)
+            hidden, step_kv = drafter(hidden, draft, position.unsqueeze(0), Decode(past=chain_kv))
             chain_kv.append(step_kv)
             draft = _greedy_draft(drafter, hidden)
             drafts.append(draft)
@@ -362,7 +362,7 @@ def _target_forward(
     return captured.logits, captured.aux
 
 
-def _cat_kv(past: KeyValue, new: KeyValue) -> KeyValue:
+def _cat_kv(past: KVPair, new: KVPair) -> KVPair:
     return torch.cat([past[0], new[0]], dim=-2), torch.cat([past[1], new[1]], dim=-2)
 
 
@@ -490,12 +490,6 @@ def simulate_acceptance(
 # Teacher-forced estimate (no generation)
 
 
-def _first_pass_visibility(num_rows: int, device: torch.device) -> Tensor:
-    """Which first-pass keys each chain sees (bool, True = visible): the chain started after position p
-    sees first-pass positions 0..p, like the engine's drafter after verifying up to p."""
-    return torch.ones(num_rows, num_rows, dtype=torch.bool, device=device).tril()
-
-
 def _target_logits(target_head: nn.Module | Tensor, last_hidden: Tensor) -> Tensor:
     if isinstance(target_head, Tensor):
         return torch.nn.functional.linear(last_hidden, target_head.to(last_hidden.dtype))
@@ -546,18 +540,16 @@ def teacher_forced_acceptance(
         positions = torch.arange(num_rows, device=device)
         hidden, first_kv = drafter(drafter.fuse(aux_hidden[None, :-1]), input_ids[None, 1:], positions[None])
         drafts = [_greedy_draft(drafter, hidden)[0]]  # draft 1 of the chain started at p: [num_rows]
-        # Chain steps for all starts at once: each row sees the first pass up to its start and, on the
-        # diagonal, the K/V of its own earlier chain steps (and its own key).
-        visible = _first_pass_visibility(num_rows, device)
-        chain_kv: list[KeyValue] = []
+        # Chain steps for all starts at once: each row sees the first pass up to its start (like the
+        # engine's drafter after verifying up to there) and, on the diagonal, the K/V of its own earlier
+        # chain steps (and its own key).
+        chain_kv: list[KVPair] = []
         for step in range(1, k):
             hidden, step_kv = drafter(
                 hidden,
                 drafts[-1][None],
                 (positions + step)[None],
-                past=[first_kv],
-                attn_bias=visible,
-                diagonal=list(chain_kv),
+                Chain(past=[first_kv], earlier=list(chain_kv)),
             )
             chain_kv.append(step_kv)
             drafts.append(_greedy_draft(drafter, hidden)[0])

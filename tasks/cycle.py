@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftloop.infra.registry.tracking import Tracker
+from draftloop.infra.registry.runs import Tracker
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord, pid_records_dir
 from draftloop.infra.runtime.storage import join, storage_options, write_text_atomic
@@ -66,10 +66,3 @@ class CycleContext:
         self.write_text(f"stages/{stage}.{event}", time.strftime("%Y-%m-%dT%H:%M:%S"))
         # logging isolates handlers: a broken progress bar cannot fail a stage
         PROGRESS_LOG.info("%s %s", stage, event, extra={"stage": stage, "event": event})
-
-
-def figure_text(value: Any) -> str:
-    """Three significant digits, without exponents for large figures (tokens/s 1,035, not 1.03e+03)."""
-    if not isinstance(value, float):
-        return str(value)
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"

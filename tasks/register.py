@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.registry.tracking import DrafterCard, register_drafter, target_label
+from draftloop.infra.registry.cards import DrafterCard, target_label
+from draftloop.infra.registry.models import register_drafter
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
 from draftloop.tasks.cache import StageOutcome
@@ -79,7 +80,8 @@ def produce(request: StageRequest) -> Manifest:
 
 def record_on_cycle_run(ctx: CycleContext, outcome: StageOutcome) -> None:
     """Also when reused: this cycle's MLflow run shows the version and the gate."""
-    ctx.tracker.record_registration(typed_summary(outcome, RegistrationSummary).model_dump())
+    registered = typed_summary(outcome, RegistrationSummary)
+    ctx.tracker.record_registration(registered.name, registered.version, registered.champion)
 
 
 STAGE = Stage(

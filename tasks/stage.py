@@ -21,14 +21,15 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
-from draftloop.infra.registry.tracking import StageRun, Tracker, error_excerpt
+from draftloop.infra.registry.figures import format_significant
+from draftloop.infra.registry.runs import StageRun, Tracker, error_excerpt
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord
 from draftloop.infra.runtime.redaction import redact_text
 from draftloop.infra.runtime.services import hold_gpus
 from draftloop.infra.runtime.storage import Manifest
 from draftloop.tasks.cache import StageError, StageOutcome, StageWork, run_cached
-from draftloop.tasks.cycle import CycleContext, StageTiming, figure_text, run_folder_uri
+from draftloop.tasks.cycle import CycleContext, StageTiming, run_folder_uri
 from draftloop.tasks.retry import is_transient, stage_task_options
 
 SummaryT = TypeVar("SummaryT", bound=BaseModel)
@@ -108,9 +109,9 @@ class Stage:
         figures = [f"{seconds:.1f} s"]
         for label, value in self.figures_of(summary).items():
             if isinstance(value, list):
-                shown = "[" + ", ".join(figure_text(v) for v in value) + "]"
+                shown = "[" + ", ".join(format_significant(v) for v in value) + "]"
             else:
-                shown = figure_text(value)
+                shown = format_significant(value)
             figures.append(f"{label} {shown}")
         return f"{self.name}: done, " + ", ".join(figures)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from draftloop.infra.registry.tracking import CycleResults
+from draftloop.infra.registry.gate import CycleResults
 
 
 class SynthesisSummary(BaseModel):

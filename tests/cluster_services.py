@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from draftloop.infra.runtime.ports import free_port
 from draftloop.infra.runtime.processes import stop_processes
-from draftloop.infra.runtime.services import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO_ROOT / ".venv" / "bin"

@@ -15,12 +15,12 @@ from typing import Any
 
 from draftloop.infra.engines.base import (
     Engine,
-    EngineSettings,
     FatalPattern,
     ServerSpec,
     parse_prometheus,
     register_engine,
 )
+from draftloop.infra.runtime.config import EngineConfig
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -51,7 +51,7 @@ class FakeEngine(Engine):
             "--served-model-name",
             spec.served_model_name,
         ]
-        if spec.drafter_dir is not None:
+        if spec.speculation is not None:
             argv.append("--speculative")
         return argv + list(self.settings.extra_args)
 
@@ -91,7 +91,7 @@ class FakeEngine(Engine):
 
 def fake_engine(*extra_args: str, timeout_s: float = 60.0) -> Engine:
     """A FakeEngine running its server with this interpreter; `extra_args` go to the fake server."""
-    settings = EngineSettings(
-        kind=FakeEngine.kind, python=sys.executable, extra_args=tuple(extra_args), startup_timeout_s=timeout_s
+    section = EngineConfig(
+        kind=FakeEngine.kind, python=sys.executable, extra_args=list(extra_args), startup_timeout_s=timeout_s
     )
-    return FakeEngine(settings)
+    return FakeEngine(section.settings(trust_remote_code=False))

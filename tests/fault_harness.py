@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftloop.infra.runtime.ports import free_port
 from draftloop.infra.runtime.processes import stop_processes
-from draftloop.infra.runtime.services import free_port, mlflow_server_command
+from draftloop.infra.runtime.services import mlflow_server_command
 from draftloop.infra.runtime.storage import Manifest, ShardIntegrityError, read_manifest, read_shard
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

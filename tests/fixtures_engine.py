@@ -1,5 +1,6 @@
-"""Fixtures for the engine tests: recorded engine outputs, the real vLLM (CPU) settings, exported
-drafters, and a tiny target whose vLLM class lacks EAGLE-3 support (the fake engine is tests/fake_engine.py).
+"""Fixtures for the engine tests: recorded engine outputs, engine settings and evaluation plans built the
+way the config builds them, the real vLLM (CPU) settings, exported drafters, and a tiny target whose vLLM
+class lacks EAGLE-3 support (the fake engine is tests/fake_engine.py).
 
 Imported by tests/conftest.py. Real servers are expensive (about a minute each here): tests share them
 through module-scoped fixtures and every server is stopped by PID on teardown.
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from draftloop.infra.engines.base import EngineSettings, get_engine
+from draftloop.infra.evaluation.plan import EvaluationPlan
+from draftloop.infra.runtime.config import EngineConfig, EvaluationConfig
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -79,6 +83,68 @@ SGLANG_CHAT_RESPONSE_NEWER: dict[str, Any] = {
     ],
     "usage": {"prompt_tokens": 10, "completion_tokens": 30, "total_tokens": 40},
 }
+
+# A k-sweep server started at k = 5 while the config's (the engine's) k is 3, and one at k = 1.
+# Older SGLang: meta_info has spec_verify_ct only; every verify step yields its accepted drafts plus one
+# token of the target's own, so 48 tokens in 16 steps = 32 accepted of 16 x 5 proposed.
+SGLANG_K5_GENERATE_RESPONSE: dict[str, Any] = {
+    "text": " the quick brown fox",
+    "meta_info": {
+        "id": "9f2c41d0a7b84e3e",
+        "finish_reason": {"type": "length", "length": 48},
+        "prompt_tokens": 21,
+        "completion_tokens": 48,
+        "cached_tokens": 0,
+        "spec_verify_ct": 16,
+        "e2e_latency": 0.62,
+    },
+}
+# Newer SGLang (tokenizer manager): spec_draft_token_num = spec_verify_ct x (num_draft_tokens - 1) = 10 x 5,
+# spec_accept_histogram[j] = verify steps that accepted exactly j drafts (j = 0..5): 23 accepted.
+SGLANG_K5_COMPLETION_CHUNK: dict[str, Any] = {
+    "id": "cmpl-5e0d",
+    "object": "text_completion",
+    "created": 1764400000,
+    "model": "target",
+    "choices": [
+        {
+            "index": 0,
+            "text": " end.",
+            "logprobs": None,
+            "finish_reason": "length",
+            "matched_stop": None,
+            "meta_info": {
+                "id": "5e0d7c",
+                "finish_reason": {"type": "length", "length": 33},
+                "prompt_tokens": 17,
+                "completion_tokens": 33,
+                "cached_tokens": 0,
+                "spec_verify_ct": 10,
+                "spec_accept_rate": 0.46,
+                "spec_accept_length": 3.3,
+                "spec_accept_token_num": 23,
+                "spec_draft_token_num": 50,
+                "spec_accept_histogram": [2, 1, 3, 1, 2, 1],
+                "e2e_latency": 0.35,
+            },
+        }
+    ],
+    "usage": {"prompt_tokens": 17, "completion_tokens": 33, "total_tokens": 50},
+}
+# k = 1: 32 tokens in 20 steps (12 accepted of 20 proposed); 8 steps accepted nothing, 12 their one draft.
+SGLANG_K1_GENERATE_RESPONSE: dict[str, Any] = {
+    "text": " yes",
+    "meta_info": {
+        "id": "77aa01",
+        "finish_reason": {"type": "length", "length": 32},
+        "prompt_tokens": 9,
+        "completion_tokens": 32,
+        "cached_tokens": 0,
+        "spec_verify_ct": 20,
+        "spec_accept_histogram": [8, 12],
+        "e2e_latency": 0.29,
+    },
+}
 SGLANG_METRICS = """\
 # HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
 # TYPE sglang:spec_accept_length gauge
@@ -130,6 +196,27 @@ def write_config(folder: Path, config: dict[str, Any]) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
+# Settings and plans, built as the config builds them (their defaults are the config sections')
+
+
+def engine_settings(**fields: Any) -> EngineSettings:
+    """The engine section's defaults with `fields` replaced (any value: no section validation here)."""
+    return replace(EngineConfig().settings(trust_remote_code=False), **fields)
+
+
+def evaluation_plan(
+    *, k: int | None = None, trust_remote_code: bool = False, **evaluation: Any
+) -> EvaluationPlan:
+    """The plan of an evaluation section with `evaluation`'s fields, k the engine's (default: the engine
+    section's). A repeat needs no minimum of tokens or seconds unless `evaluation` asks (fast tests)."""
+    section = EvaluationConfig(**{"min_output_tokens": 0, "min_seconds": 0.0, **evaluation})
+    engine_k = k if k is not None else EngineConfig().num_speculative_tokens
+    return EvaluationPlan.from_sections(
+        section, num_speculative_tokens=engine_k, trust_remote_code=trust_remote_code
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # Real vLLM
 
 
@@ -139,11 +226,10 @@ def vllm_settings(**overrides: Any) -> EngineSettings:
         "python": str(VLLM_PYTHON),
         "max_num_seqs": 8,
         "max_model_len": 512,
-        "num_speculative_tokens": 3,
         "startup_timeout_s": 600.0,
     }
     values.update(overrides)
-    return EngineSettings(**values)
+    return engine_settings(**values)
 
 
 def require_vllm_env() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftloop.infra.registry.tracking import DrafterCard
+from draftloop.infra.registry.cards import DrafterCard
 
 
 def fake_drafter(folder: Path) -> Path:

@@ -172,7 +172,9 @@ def test_prefect_form_runs_the_flow_and_its_page_shows_the_summary(
 
 def _register_synthetic_versions(flow_env: FlowEnv, name: str) -> list[Any]:
     """Two versions through the project's own registration: v1 becomes champion, v2 is rejected."""
-    from draftloop.infra.registry.tracking import CycleResults, Tracker, register_drafter
+    from draftloop.infra.registry.gate import CycleResults
+    from draftloop.infra.registry.models import register_drafter
+    from draftloop.infra.registry.runs import Tracker
     from draftloop.infra.runtime.config import GateConfig
 
     tracker = Tracker(

@@ -139,8 +139,13 @@ def test_missing_model_folder_and_existing_folder_shape(tmp_path: Path) -> None:
     # An existing folder wins over the recipe: only its config.json is read.
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(
-        json.dumps({"text_config": {"num_hidden_layers": 4, "hidden_size": 64}})
+    (model / "config.json").write_text(  # a wrapper (Kimi-K2.5-like): the shape is its text_config's
+        json.dumps(
+            {
+                "model_type": "kimi_k25",
+                "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 64},
+            }
+        )
     )
     config = _load(tmp_path, **{"target.path": str(model), "extraction.aux_layer_ids": [1, 2, 3]})
     assert (config.target_depth, config.target_hidden_size) == (4, 64)

@@ -187,9 +187,11 @@ def test_served_dtype_and_quantization_other_than_trained_on_are_warnings(
 
 
 def test_serving_contract_reads_the_engine_settings() -> None:
-    from draftloop.infra.engines.base import EngineSettings, get_engine
+    from fixtures_engine import engine_settings
 
-    settings = EngineSettings(
+    from draftloop.infra.engines.base import get_engine
+
+    settings = engine_settings(
         kind="vllm",
         dtype="bfloat16",
         max_model_len=4096,

@@ -11,7 +11,7 @@ import pytest
 from fake_engine import DOCTOR_PATCH, FakeEngine, fake_engine
 from fixtures_engine import tiny_llama_drafter, write_config
 
-from draftloop.infra.engines.base import EngineError, get_engine, known_engines, register_engine
+from draftloop.infra.engines.base import EngineError, Speculation, get_engine, known_engines, register_engine
 from draftloop.infra.engines.doctor import format_report, run_doctor
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
@@ -84,7 +84,7 @@ def test_a_served_fake_engine_reports_its_own_counters(tmp_path: Path) -> None:
     engine = fake_engine()
     target = write_config(tmp_path / "target", {"architectures": ["LlamaForCausalLM"]})
     drafter = write_config(tmp_path / "drafter", {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]})
-    with EngineServer(engine, target, tmp_path / "run", drafter_dir=drafter) as server:
+    with EngineServer(engine, target, tmp_path / "run", speculation=Speculation(drafter, 3)) as server:
         before = engine.parse_metrics(server.metrics_text())
         server.smoke_test()
         after = engine.parse_metrics(server.metrics_text())

@@ -3,6 +3,7 @@ outputs, fatal-log detection, the plugin's patch logic, and server lifecycle/eva
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from fixtures_engine import (
     VLLM_LOG_WORKER_TRACEBACK,
     VLLM_METRICS_AFTER,
     VLLM_METRICS_BEFORE,
+    engine_settings,
     tiny_llama_drafter,
     write_config,
 )
@@ -36,14 +38,18 @@ from draftloop.cli import app
 from draftloop.infra.engines import server as server_module
 from draftloop.infra.engines.base import (
     EngineConfigError,
+    EngineError,
     EngineSettings,
     ServerSpec,
+    Speculation,
     get_engine,
     known_engines,
 )
 from draftloop.infra.engines.doctor import describe_family, format_report
+from draftloop.infra.engines.leftovers import clean_stale_servers
 from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_contract, check_drafter_pairing
-from draftloop.infra.engines.server import EngineServer, EngineStartError, clean_stale_servers
+from draftloop.infra.engines.server import EngineServer, EngineStartError
+from draftloop.infra.runtime.config import EngineConfig
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -73,8 +79,30 @@ def test_registry_knows_both_engines_and_refuses_unknown() -> None:
         get_engine("tgi")
 
 
+def test_engine_settings_are_the_engine_section_without_k() -> None:
+    """One place builds them (EngineConfig.settings): a field added to the section and not to the
+    settings, or the reverse, fails here; k is each server's (Speculation), never the engine's."""
+    settings_fields = {item.name for item in dataclasses.fields(EngineSettings)}
+    section_fields = set(EngineConfig.model_fields)
+    assert settings_fields == (section_fields - {"num_speculative_tokens"}) | {"trust_remote_code"}
+    assert all(item.default is dataclasses.MISSING for item in dataclasses.fields(EngineSettings))
+    section = EngineConfig(max_num_seqs=7, extra_args=["--x"], env={"A": "1"})
+    settings = section.settings(trust_remote_code=True)
+    assert (settings.max_num_seqs, settings.extra_args, settings.env) == (7, ("--x",), {"A": "1"})
+    assert settings.trust_remote_code is True and settings.kv_cache_space_gib == section.kv_cache_space_gib
+    with pytest.raises(EngineError, match="1 token or more"):
+        Speculation(Path("/d"), 0)
+
+
+def test_an_engine_without_settings_exports_but_cannot_serve(tmp_path: Path) -> None:
+    engine = get_engine("vllm")
+    assert engine.parse_metrics(VLLM_METRICS_BEFORE) is not None  # reading counters needs none
+    with pytest.raises(EngineError, match="without settings"):
+        engine.server_command(ServerSpec(Path("/m"), 8123))
+
+
 def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
-    engine = get_engine("vllm", EngineSettings(python="/env/bin/python", num_speculative_tokens=4))
+    engine = get_engine("vllm", engine_settings(python="/env/bin/python"))
     baseline = engine.server_command(ServerSpec(Path("/m"), 8123))
     assert baseline[:3] == ["/env/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--speculative-config" not in baseline
@@ -86,7 +114,7 @@ def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
     ):
         assert baseline[baseline.index(flag) + 1] == value
     assert "--enforce-eager" in baseline
-    spec = engine.server_command(ServerSpec(Path("/m"), 8123, drafter_dir=Path("/d")))
+    spec = engine.server_command(ServerSpec(Path("/m"), 8123, speculation=Speculation(Path("/d"), 4)))
     config = json.loads(spec[spec.index("--speculative-config") + 1])
     assert config == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}
     env = engine.server_env(tmp_path)
@@ -94,15 +122,13 @@ def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
     assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
     assert env["VLLM_PLUGINS"] == "draftloop_vllm_plugin"
-    gpu = get_engine("vllm", EngineSettings(num_gpus=1)).server_env(tmp_path)
+    gpu = get_engine("vllm", engine_settings(num_gpus=1)).server_env(tmp_path)
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu and "LD_PRELOAD" not in gpu
 
 
 def test_sglang_command_line_counts_k_plus_one_draft_tokens() -> None:
-    engine = get_engine(
-        "sglang", EngineSettings(kind="sglang", python="/sg/bin/python", num_speculative_tokens=3)
-    )
-    argv = engine.server_command(ServerSpec(Path("/m"), 30000, drafter_dir=Path("/d")))
+    engine = get_engine("sglang", engine_settings(kind="sglang", python="/sg/bin/python"))
+    argv = engine.server_command(ServerSpec(Path("/m"), 30000, speculation=Speculation(Path("/d"), 3)))
     assert argv[:3] == ["/sg/bin/python", "-m", "sglang.launch_server"]
 
     def value(flag: str) -> str:
@@ -134,7 +160,7 @@ def test_target_trust_remote_code_reaches_both_servers_and_the_serving_command(t
     for kind in ("vllm", "sglang"):
         trusted = get_engine(kind, config(True, kind).engine_settings())
         plain = get_engine(kind, config(False, kind).engine_settings())
-        spec = ServerSpec(Path("/m"), 8123, drafter_dir=Path("/d"))
+        spec = ServerSpec(Path("/m"), 8123, speculation=Speculation(Path("/d"), 3))
         assert "--trust-remote-code" in trusted.server_command(spec), kind
         assert "--trust-remote-code" in trusted.user_serving_command("/m", "/d", 3), kind
         assert "--trust-remote-code" not in plain.server_command(spec), kind
@@ -176,12 +202,12 @@ def test_vllm_metrics_parse_and_difference() -> None:
 
 
 def test_sglang_counters_from_recorded_responses() -> None:
-    engine = get_engine("sglang", EngineSettings(kind="sglang", num_speculative_tokens=3))
-    old = engine.counters_from_response(SGLANG_GENERATE_RESPONSE)
+    engine = get_engine("sglang", engine_settings(kind="sglang"))
+    old = engine.counters_from_response(SGLANG_GENERATE_RESPONSE, 3)
     # 32 tokens in 12 verify steps: 20 accepted drafts, acceptance length 32/12.
     assert old == SpecCounters(12, 36, 20, ())
     assert old is not None and old.mean_acceptance_length == pytest.approx(32 / 12)
-    newer = engine.counters_from_response(SGLANG_CHAT_RESPONSE_NEWER)
+    newer = engine.counters_from_response(SGLANG_CHAT_RESPONSE_NEWER, 3)
     assert newer is not None
     assert (newer.num_drafts, newer.num_draft_tokens, newer.num_accepted_tokens) == (10, 30, 20)
     # histogram [1,2,3,4] (steps accepting 0..3 drafts) -> position i accepted by steps with j > i.
@@ -189,7 +215,7 @@ def test_sglang_counters_from_recorded_responses() -> None:
     # Its /metrics gauges are most-recent-batch values: no cumulative counters to difference.
     assert engine.parse_metrics(SGLANG_METRICS) is None
     assert engine.request_extras() == {"return_meta_info": True}
-    assert engine.counters_from_response({"choices": [{"text": "x"}]}) is None
+    assert engine.counters_from_response({"choices": [{"text": "x"}]}, 3) is None
 
 
 # ------------------------------------------------------------------------------------------------

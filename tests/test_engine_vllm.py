@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from fixtures_engine import (
+    evaluation_plan,
     export_for_vllm,
     require_vllm_env,
     shift_exported_layer_ids,
@@ -25,11 +26,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from draftloop.cli import app
-from draftloop.infra.engines.base import get_engine
+from draftloop.infra.engines.base import Speculation, get_engine
 from draftloop.infra.engines.doctor import run_doctor
 from draftloop.infra.engines.pairing import DrafterPairingError
 from draftloop.infra.engines.server import EngineServer, EngineStartError
-from draftloop.infra.evaluation.benchmark import BenchmarkPlan, benchmark_server
+from draftloop.infra.evaluation.benchmark import benchmark_server
 from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts
@@ -55,11 +56,12 @@ def _evaluate_pair(pair: Any, root: Path) -> tuple[Path, SimulatorFigures, EvalR
     )
     simulator = SimulatorFigures.from_report(simulation)
     engine = get_engine("vllm", vllm_settings())
+    plan = evaluation_plan(
+        k=K, max_tokens=MAX_TOKENS, concurrency=CONCURRENCY, acceptance_tolerance=TOLERANCE
+    )
     report = evaluate(
-        engine, pair.target_dir, drafter_dir, pair.held_out_prompts, root / "eval",
-        plan=BenchmarkPlan(max_tokens=MAX_TOKENS), concurrency=CONCURRENCY, num_speculative_tokens=K,
-        acceptance_tolerance=TOLERANCE, simulator=simulator,
-    )  # fmt: skip
+        engine, plan, pair.target_dir, drafter_dir, pair.held_out_prompts, root / "eval", simulator=simulator
+    )
     print(
         f"\n[{pair.recipe}] startup baseline {report.baseline.startup_s:.1f}s "
         f"spec {report.speculative.startup_s:.1f}s; "
@@ -118,10 +120,10 @@ def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path
     assert doctor["layer_ids"]["consistent"] is False
     assert doctor["layer_ids"]["layer_input_ids"] == [0, 2, 4]
     assert doctor["layer_ids"]["trained_layer_input_ids"] == [1, 3, 5]
+    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
     report = evaluate(
-        engine, pair.target_dir, shifted, pair.held_out_prompts, tmp_path / "eval",
-        plan=BenchmarkPlan(max_tokens=MAX_TOKENS), concurrency=[1], num_speculative_tokens=K,
-        acceptance_tolerance=TOLERANCE, simulator=simulator, baseline=good.baseline,
+        engine, plan, pair.target_dir, shifted, pair.held_out_prompts, tmp_path / "eval",
+        simulator=simulator, baseline=good.baseline,
     )  # fmt: skip
     acceptance = report.engine_acceptance
     print(
@@ -146,8 +148,8 @@ def test_standard_attention_drafter_on_mla_target_refused_before_startup(
     started = time.monotonic()
     with pytest.raises(DrafterPairingError) as info:
         evaluate(
-            get_engine("vllm", vllm_settings()), pair.target_dir, drafter_dir, ["hi"], tmp_path / "eval",
-            plan=BenchmarkPlan(max_tokens=4), concurrency=[1],
+            get_engine("vllm", vllm_settings()), evaluation_plan(max_tokens=4, concurrency=[1]),
+            pair.target_dir, drafter_dir, ["hi"], tmp_path / "eval",
         )  # fmt: skip
     assert time.monotonic() - started < 10  # refused, not started
     assert "No common block size" in str(info.value) and "Eagle3DeepseekV2ForCausalLM" in str(info.value)
@@ -176,11 +178,12 @@ def test_architecture_without_eagle3_served_after_plugin_patch(
     prompts = ["Write a haiku about rain.", "What is 7 times 8?"]
     prompt_ids = encode_prompts(tiny_stablelm_dir, prompts)
     server = EngineServer(engine, tiny_stablelm_dir, tmp_path / "run", name="speculative",
-                          drafter_dir=drafter_dir, num_speculative_tokens=K)  # fmt: skip
+                          speculation=Speculation(drafter_dir, K))  # fmt: skip
     with server:
         run = benchmark_server(
-            server, engine, prompt_ids, [1], BenchmarkPlan(max_tokens=16), name="speculative"
-        )
+            server, engine, prompt_ids, [1], evaluation_plan(max_tokens=16).benchmark, name="speculative",
+            num_speculative_tokens=K,
+        )  # fmt: skip
     print(f"\n[stablelm] startup {server.startup_s:.1f}s counters {run.levels[0].counters}")
     counters = run.levels[0].counters
     assert counters is not None and counters["num_drafts"] > 0

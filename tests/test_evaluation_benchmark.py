@@ -7,29 +7,24 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fake_engine import fake_engine
+from fixtures_engine import engine_settings, evaluation_plan
 from test_evaluation_run import _sim, saved_drafter
 
 from draftloop.data.make_prompts import make_prompts
-from draftloop.infra.engines.base import get_engine
+from draftloop.infra.engines.base import Speculation, get_engine
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.evaluation.benchmark import (
-    BenchmarkPlan,
     ConcurrencyResult,
     RepeatResult,
     ServerRun,
     percentile,
     spread,
 )
-from draftloop.infra.evaluation.run import (
-    category_acceptance,
-    evaluate,
-    predicted_acceptance_length,
-    recommend_k,
-)
+from draftloop.infra.evaluation.judge import category_acceptance, predicted_acceptance_length, recommend_k
+from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import PromptFigures
 from draftloop.infra.evaluation.verdict import (
     SPEEDUP_INCONCLUSIVE,
@@ -38,7 +33,8 @@ from draftloop.infra.evaluation.verdict import (
     LevelSpeedup,
     level_speedups,
 )
-from draftloop.infra.registry.tracking import CycleResults, description_table, evaluate_gate
+from draftloop.infra.registry.cards import description_table
+from draftloop.infra.registry.gate import CycleResults, evaluate_gate
 from draftloop.infra.runtime.config import GateConfig
 from draftloop.infra.synthesis.prompts import builtin_prompts_path
 from draftloop.kernels.counters import SpecCounters
@@ -167,11 +163,9 @@ class _SlowFirstRequest:
         self.warm = fake_engine("--token-delay", "0.002")
 
     @contextlib.contextmanager
-    def __call__(self, name: str, drafter_dir: Path | None, k: int | None) -> Iterator[EngineServer]:
-        engine = self.cold if drafter_dir is None else self.warm
-        server = EngineServer(
-            engine, self.target, self.run_dir, name=name, drafter_dir=drafter_dir, num_speculative_tokens=k
-        )
+    def __call__(self, name: str, speculation: Speculation | None) -> Iterator[EngineServer]:
+        engine = self.cold if speculation is None else self.warm
+        server = EngineServer(engine, self.target, self.run_dir, name=name, speculation=speculation)
         with server:
             yield server
 
@@ -181,39 +175,40 @@ def test_a_slow_first_request_inflated_the_old_speedup_and_not_the_new_one(
 ) -> None:
     drafter = saved_drafter(served_target, tmp_path / "drafter")
     prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
-    common: dict[str, Any] = {"concurrency": [1], "simulator": _sim(0.4)}
     # The old method: no warm-up, one pass. The baseline's first measured request absorbs the warm-up.
     old = evaluate(
-        fake_engine(), served_target, drafter, prompts, tmp_path / "old",
-        plan=BenchmarkPlan(max_tokens=8, repeats=1, warmup_rounds=0),
-        start_server=_SlowFirstRequest(served_target, tmp_path / "old"), **common,
+        fake_engine(), evaluation_plan(max_tokens=8, repeats=1, warmup_rounds=0, concurrency=[1]),
+        served_target, drafter, prompts, tmp_path / "old", simulator=_sim(0.4),
+        start_server=_SlowFirstRequest(served_target, tmp_path / "old"),
     )  # fmt: skip
     (old_level,) = old.speedup_levels
-    assert old_level["speedup"] > 2 * FAKE_AL  # the inflated figure the old report printed...
-    assert old_level["status"] == SPEEDUP_MEASUREMENT_ERROR  # ...which the bounds now catch
+    assert old_level.speedup is not None
+    assert old_level.speedup > 2 * FAKE_AL  # the inflated figure the old report printed...
+    assert old_level.status == SPEEDUP_MEASUREMENT_ERROR  # ...which the bounds now catch
     # The new method: warm-up on both servers, repeats. Both fake servers are equally fast.
     new = evaluate(
-        fake_engine(), served_target, drafter, prompts, tmp_path / "new",
-        plan=BenchmarkPlan(max_tokens=8, repeats=3, min_seconds=0.3),
-        start_server=_SlowFirstRequest(served_target, tmp_path / "new"), **common,
+        fake_engine(), evaluation_plan(max_tokens=8, repeats=3, min_seconds=0.3, concurrency=[1]),
+        served_target, drafter, prompts, tmp_path / "new", simulator=_sim(0.4),
+        start_server=_SlowFirstRequest(served_target, tmp_path / "new"),
     )  # fmt: skip
     (level,) = new.speedup_levels
-    assert level["status"] != SPEEDUP_MEASUREMENT_ERROR, level["reasons"]
-    assert level["speedup"] <= FAKE_AL and 0.5 < level["speedup"] < 2.0
+    assert level.status != SPEEDUP_MEASUREMENT_ERROR, level.reasons
+    assert level.speedup is not None and level.speedup <= FAKE_AL and 0.5 < level.speedup < 2.0
     assert new.baseline.warmup_requests == 1 and len(new.baseline.levels[0].repeats) == 3
 
 
 def test_k_sweep_predicts_measures_and_recommends(tmp_path: Path, served_target: Path) -> None:
     drafter = saved_drafter(served_target, tmp_path / "drafter")
+    plan = evaluation_plan(max_tokens=6, repeats=2, concurrency=[1, 2], speculative_tokens_sweep=[1, 2])
     report = evaluate(
-        fake_engine("--token-delay", "0.002"), served_target, drafter, ["a", "b"], tmp_path / "eval",
-        plan=BenchmarkPlan(max_tokens=6, repeats=2), concurrency=[1, 2], speculative_tokens_sweep=[1, 2],
+        fake_engine("--token-delay", "0.002"), plan, served_target, drafter, ["a", "b"], tmp_path / "eval",
         simulator=_sim(0.4), categories=["code", "math"],
     )  # fmt: skip
-    assert [entry["k"] for entry in report.k_sweep] == [1, 2, 3]  # the engine's k 3 is always served
-    predicted = {entry["k"]: entry["predicted_mean_acceptance_length"] for entry in report.k_sweep}
+    assert [entry.k for entry in report.k_sweep] == [1, 2, 3]  # the engine's k 3 is always served
+    assert [entry.server for entry in report.k_sweep] == ["speculative-k1", "speculative-k2", "speculative"]
+    predicted = {entry.k: entry.predicted_mean_acceptance_length for entry in report.k_sweep}
     assert predicted == pytest.approx({1: 1.6, 2: 2.0, 3: 2.2})
-    assert all(entry["measured_mean_acceptance_length"] == pytest.approx(FAKE_AL) for entry in report.k_sweep)
+    assert all(entry.measured_mean_acceptance_length == pytest.approx(FAKE_AL) for entry in report.k_sweep)
     assert set(report.recommended_k) == {1, 2} and report.serving_k in {1, 2, 3}
     saved = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
     assert set(saved["sweep_runs"]) == {"1", "2"} and saved["serving_k"] == report.serving_k
@@ -239,12 +234,14 @@ def test_k_recommendation_skips_flagged_figures() -> None:
 
 def test_serving_command_ends_the_registry_description() -> None:
     results = CycleResults(0.4, 2.2, speedup={1: 1.3}, speedup_status={1: "ok"}, recommended_k=2)
-    vllm = get_engine("vllm").user_serving_command("/models/target", "/models/drafter", 2)
+    vllm = get_engine("vllm", engine_settings()).user_serving_command("/models/target", "/models/drafter", 2)
     assert vllm == (
         "vllm serve /models/target --speculative-config "
         '\'{"method": "eagle3", "model": "/models/drafter", "num_speculative_tokens": 2}\''
     )
-    sglang = get_engine("sglang").user_serving_command("/models/target", "/models/drafter", 2)
+    sglang = get_engine("sglang", engine_settings(kind="sglang")).user_serving_command(
+        "/models/target", "/models/drafter", 2
+    )
     assert "--speculative-algorithm EAGLE3" in sglang and "--speculative-num-steps 2" in sglang
     assert "--speculative-num-draft-tokens 3" in sglang
     description = description_table(results, None, vllm)
@@ -269,13 +266,13 @@ def test_category_acceptance_per_category() -> None:
 
 def test_open_loop_goodput(tmp_path: Path, served_target: Path) -> None:
     drafter = saved_drafter(served_target, tmp_path / "drafter")
-    plan = BenchmarkPlan(
-        max_tokens=4, repeats=1, request_rates=[40.0], open_loop_requests=6, tpot_target_s=5.0
-    )
-    report = evaluate(
-        fake_engine(), served_target, drafter, ["a", "b"], tmp_path / "eval", plan=plan, concurrency=[1],
-        simulator=_sim(0.4),
+    plan = evaluation_plan(
+        max_tokens=4, repeats=1, concurrency=[1], request_rates=[40.0], open_loop_requests=6,
+        tpot_target_s=5.0,
     )  # fmt: skip
+    report = evaluate(
+        fake_engine(), plan, served_target, drafter, ["a", "b"], tmp_path / "eval", simulator=_sim(0.4)
+    )
     (rate,) = report.speculative.open_loop
     assert rate.num_requests == 6 and rate.errors == 0 and rate.tpot_s["p90"] is not None
     # Every request meets a 5 s TPOT target: goodput is the request rate actually achieved.

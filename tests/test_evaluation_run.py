@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from fake_engine import fake_engine
-from fixtures_engine import shift_exported_layer_ids
+from fixtures_engine import evaluation_plan, shift_exported_layer_ids
 
 from draftloop.infra.engines.base import EngineConfigError, EngineError
-from draftloop.infra.evaluation.benchmark import BenchmarkPlan, ServerRun
+from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
@@ -49,9 +49,10 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
     # The fake engine reads layer_output ids: these are the layers the simulator captures (1, 3, 5).
     drafter = saved_drafter(served_target, tmp_path / "drafter")
     prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
+    plan = evaluation_plan(max_tokens=8, concurrency=[1, 2], acceptance_tolerance=0.05)
     report = evaluate(
-        fake_engine("--token-delay", "0.002"), served_target, drafter, prompts, tmp_path / "eval",
-        plan=BenchmarkPlan(max_tokens=8), concurrency=[1, 2], simulator=_sim(0.4), acceptance_tolerance=0.05,
+        fake_engine("--token-delay", "0.002"), plan, served_target, drafter, prompts, tmp_path / "eval",
+        simulator=_sim(0.4),
     )  # fmt: skip
     assert report.lossless and report.mismatched_prompts == []
     assert report.engine_acceptance is not None
@@ -66,7 +67,7 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
         level.ttft_s["p50"] is not None and level.tpot_s["p99"] is not None and level.itl_s["p90"] is not None
     )
     assert report.baseline.warmup_requests == 1 + 2  # one round at each level, discarded
-    assert [entry["k"] for entry in report.k_sweep] == [3] and report.serving_k == 3
+    assert [entry.k for entry in report.k_sweep] == [3] and report.serving_k == 3
     saved = json.loads((tmp_path / "eval" / "eval_report.json").read_text())
     assert saved["verdict"] == VERDICT_OK and saved["engine_layer_ids"]["layer_input"] == [1, 3, 5]
     for plot in report.plots:
@@ -77,8 +78,8 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
     baseline = ServerRun.from_json(saved["baseline"])
     assert baseline == report.baseline
     faulty = evaluate(
-        fake_engine(), served_target, drafter, prompts, tmp_path / "eval2",
-        plan=BenchmarkPlan(max_tokens=4), concurrency=[1], simulator=_sim(0.7), baseline=baseline,
+        fake_engine(), evaluation_plan(max_tokens=4, concurrency=[1]), served_target, drafter, prompts,
+        tmp_path / "eval2", simulator=_sim(0.7), baseline=baseline,
     )  # fmt: skip
     assert faulty.verdict == VERDICT_FAULT and faulty.acceptance_gap == pytest.approx(0.3)
 
@@ -86,8 +87,8 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
 def test_evaluate_flags_lossy_speculation(tmp_path: Path, served_target: Path) -> None:
     drafter = saved_drafter(served_target, tmp_path / "drafter")
     report = evaluate(
-        fake_engine("--perturb", "1"), served_target, drafter, ["a", "b"], tmp_path / "eval",
-        plan=BenchmarkPlan(max_tokens=4), concurrency=[1], simulator=_sim(0.4),
+        fake_engine("--perturb", "1"), evaluation_plan(max_tokens=4, concurrency=[1]), served_target, drafter,
+        ["a", "b"], tmp_path / "eval", simulator=_sim(0.4),
     )  # fmt: skip
     assert not report.lossless and report.mismatched_prompts == [0, 1]
     assert report.verdict == VERDICT_FAULT
@@ -110,8 +111,8 @@ def test_evaluate_through_ray_actors(tmp_path: Path, served_target: Path) -> Non
         engine, served_target, tmp_path / "eval", runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}
     )
     report = evaluate(
-        engine, served_target, drafter, ["a", "b"], tmp_path / "eval",
-        plan=BenchmarkPlan(max_tokens=4), concurrency=[1], simulator=_sim(0.4), start_server=starter,
+        engine, evaluation_plan(max_tokens=4, concurrency=[1]), served_target, drafter, ["a", "b"],
+        tmp_path / "eval", simulator=_sim(0.4), start_server=starter,
     )  # fmt: skip
     assert report.verdict == VERDICT_OK, report.reasons
     assert report.baseline.startup_s is not None and report.lossless
@@ -123,23 +124,21 @@ def test_a_server_that_dies_on_a_mismatched_export_is_reported_as_the_exports_fa
     tmp_path: Path, served_target: Path
 ) -> None:
     good = saved_drafter(served_target, tmp_path / "good")
-    first = evaluate(
-        fake_engine(), served_target, good, ["a"], tmp_path / "eval", plan=BenchmarkPlan(max_tokens=4),
-        concurrency=[1], simulator=_sim(0.4),
-    )  # fmt: skip
+    plan = evaluation_plan(max_tokens=4, concurrency=[1])
+    first = evaluate(fake_engine(), plan, served_target, good, ["a"], tmp_path / "eval", simulator=_sim(0.4))
     # Exported one off, and the server dies serving it (as vLLM's DeepSeek-V2 does for layer 0).
     shifted = shift_exported_layer_ids(good, tmp_path / "shifted", 1)
     with pytest.raises(EngineConfigError) as refused:
         evaluate(
-            fake_engine("--mode", "exit"), served_target, shifted, ["a"], tmp_path / "eval2",
-            plan=BenchmarkPlan(max_tokens=4), concurrency=[1], simulator=_sim(0.4), baseline=first.baseline,
+            fake_engine("--mode", "exit"), plan, served_target, shifted, ["a"], tmp_path / "eval2",
+            simulator=_sim(0.4), baseline=first.baseline,
         )  # fmt: skip
     message = str(refused.value)
     assert "integration fault" in message and "trained on layer_input [1, 3, 5]" in message
     # A server failure with a consistent export stays the engine's own error.
     with pytest.raises(EngineError) as failed:
         evaluate(
-            fake_engine("--mode", "exit"), served_target, good, ["a"], tmp_path / "eval3",
-            plan=BenchmarkPlan(max_tokens=4), concurrency=[1], simulator=_sim(0.4), baseline=first.baseline,
+            fake_engine("--mode", "exit"), plan, served_target, good, ["a"], tmp_path / "eval3",
+            simulator=_sim(0.4), baseline=first.baseline,
         )  # fmt: skip
     assert "integration fault" not in str(failed.value)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_engine import engine_settings
 from fixtures_kernels import builtin_prompts, load_target, make_lookup_drafter, untrained_drafter
 
-from draftloop.infra.engines.base import EngineSettings
 from draftloop.infra.evaluation.simulator import (
     NumericMode,
     engine_numeric_mode,
@@ -35,13 +35,13 @@ MAX_TOKENS = 24
 
 def test_numeric_modes_follow_the_engine_settings(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    auto = engine_numeric_mode(EngineSettings(dtype="auto"), tmp_path, "mla")
+    auto = engine_numeric_mode(engine_settings(dtype="auto"), tmp_path, "mla")
     assert auto.dtype == "bfloat16" and "mla" in auto.attention
     simulator = simulator_numeric_mode(auto, "mla")
     assert simulator.dtype == "bfloat16" and mode_mismatch(auto, simulator) is None
 
     fp8_cache = engine_numeric_mode(
-        EngineSettings(dtype="float16", extra_args=("--kv-cache-dtype", "fp8")), tmp_path, "llama"
+        engine_settings(dtype="float16", extra_args=("--kv-cache-dtype", "fp8")), tmp_path, "llama"
     )
     assert fp8_cache.kv_cache_dtype == "fp8"
     reason = mode_mismatch(fp8_cache, simulator_numeric_mode(fp8_cache, "llama"))
@@ -49,7 +49,7 @@ def test_numeric_modes_follow_the_engine_settings(tmp_path: Path) -> None:
 
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float8_e4m3fn"}))
     fp8 = engine_numeric_mode(
-        EngineSettings(dtype="auto", extra_args=("--quantization=fp8",)), tmp_path, "llama"
+        engine_settings(dtype="auto", extra_args=("--quantization=fp8",)), tmp_path, "llama"
     )
     fallback = simulator_numeric_mode(fp8, "llama")
     assert fallback == NumericMode("float32", "transformers (llama)")

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import yaml
-from fixtures_engine import shift_exported_layer_ids
+from fixtures_engine import evaluation_plan, shift_exported_layer_ids
 from fixtures_flow import REPO_ROOT, VLLM_PYTHON, FlowEnv, run_cycle_in_process
 
 from draftloop.infra.engines.base import EngineConfigError, get_engine
-from draftloop.infra.evaluation.benchmark import BenchmarkPlan, ServerRun
+from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
 from draftloop.infra.runtime.config import ExperimentConfig
@@ -102,14 +102,15 @@ def test_mla_drafter_exported_off_by_one_is_an_integration_fault(mla_cycle: MlaC
     shifted = shift_exported_layer_ids(Path(report["drafter"]), tmp_path / "shifted", -1)
     conversations = read_manifest(summary["stages"]["synthesize"]["uri"])
     prompts = [row["prompt"] for row in read_eval_prompts(conversations, storage_options(config))]
-    engine = get_engine(config.engine.kind, config.engine.settings())
+    engine = get_engine(config.engine.kind, config.engine_settings())
     reasons: list[str]
     try:
-        faulty = evaluate(
-            engine, Path(report["target"]), shifted, prompts, tmp_path / "eval",
-            plan=BenchmarkPlan(max_tokens=report["max_tokens"]), concurrency=[1],
-            num_speculative_tokens=report["num_speculative_tokens"],
+        plan = evaluation_plan(
+            k=report["num_speculative_tokens"], max_tokens=report["max_tokens"], concurrency=[1],
             acceptance_tolerance=report["acceptance_tolerance"],
+        )  # fmt: skip
+        faulty = evaluate(
+            engine, plan, Path(report["target"]), shifted, prompts, tmp_path / "eval",
             baseline=ServerRun.from_json(report["baseline"]),
         )  # fmt: skip
     except EngineConfigError as refused:

@@ -13,17 +13,11 @@ import mlflow
 import yaml
 from fixtures_registry import drafter_card, fake_drafter
 
-from draftloop.infra.registry.tracking import (
-    CHAMPION_ALIAS,
-    DRAFTER_FLAVOR,
-    ChampionFigures,
-    CycleResults,
-    GateDecision,
-    Tracker,
-    register_drafter,
-    target_label,
-    verdict_line,
-)
+from draftloop.infra.registry.cards import target_label, verdict_line
+from draftloop.infra.registry.figures import as_number, format_figure, format_percent, format_significant
+from draftloop.infra.registry.gate import CHAMPION_ALIAS, ChampionFigures, CycleResults, GateDecision
+from draftloop.infra.registry.models import DRAFTER_FLAVOR, register_drafter
+from draftloop.infra.registry.runs import Tracker
 
 GATE = SimpleNamespace(
     min_speedup=None, min_acceptance_length=1.5, require_consistency=True, beat_champion=True
@@ -154,3 +148,31 @@ def test_verdict_line_reads_right_whatever_the_gate_decided() -> None:
         "+0.50 AL over v3, which stays champion, speedup +0.00x vs v3"
     )
     assert verdict_line(_results(1.6, 1.1), inconsistent, "SGLang", None).endswith("— no champion yet")
+
+
+def test_figures_read_the_same_wherever_they_are_shown() -> None:
+    """The registry's, summary.md's, the log line's and the CLI's ways of writing a figure."""
+    assert (format_figure(2.24567), format_figure(1.9, 2, "x"), format_figure(None)) == (
+        "2.246",
+        "1.90x",
+        "n/a",
+    )
+    assert format_figure(240) == "240" and format_figure("lossless_consistent") == "lossless_consistent"
+    assert (format_percent(0.26667), format_percent(0.61, 0), format_percent(None)) == (
+        "26.7 %",
+        "61 %",
+        "n/a",
+    )
+    assert [format_significant(v) for v in (12.3456789, 1034.5678, 0.004567, 16)] == [
+        "12.3",
+        "1,035",
+        "0.00457",
+        "16",
+    ]
+    # `draftloop status`: numbers read back from JSON or metrics (ints too), a dash for anything else.
+    assert [format_figure(as_number(v), 2, missing="-") for v in (2, 1.876, None, "x")] == [
+        "2.00",
+        "1.88",
+        "-",
+        "-",
+    ]

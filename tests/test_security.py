@@ -14,9 +14,10 @@ from unittest import mock
 
 import pytest
 import yaml
+from fixtures_engine import engine_settings
 from fixtures_flow import FlowEnv, run_cycle_in_process
 
-from draftloop.infra.engines.base import EngineConfigError, EngineSettings, ServerSpec, is_loopback
+from draftloop.infra.engines.base import EngineConfigError, ServerSpec, is_loopback
 from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.engines.vllm import VllmEngine
 from draftloop.infra.evaluation.benchmark import _Client
@@ -182,7 +183,7 @@ def _raw_config(tmp_path: Path, engine: dict[str, Any]) -> dict[str, Any]:
 def test_engine_binds_loopback_by_default(tmp_path: Path) -> None:
     config = ExperimentConfig.from_dict(_raw_config(tmp_path, {}), check_environment=False)
     assert config.engine.host == "127.0.0.1"
-    argv = VllmEngine(config.engine.settings()).server_command(ServerSpec(tmp_path, 8000))
+    argv = VllmEngine(config.engine_settings()).server_command(ServerSpec(tmp_path, 8000))
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "--api-key" not in argv
 
@@ -192,7 +193,7 @@ def test_an_exposed_engine_without_an_api_key_is_refused(tmp_path: Path) -> None
         ExperimentConfig.from_dict(_raw_config(tmp_path, {"host": "0.0.0.0"}), check_environment=False)
     assert "0.0.0.0" in str(refused.value)
     # The server refuses too, whoever builds its settings.
-    server = EngineServer(VllmEngine(EngineSettings(host="0.0.0.0")), tmp_path, tmp_path / "run")
+    server = EngineServer(VllmEngine(engine_settings(host="0.0.0.0")), tmp_path, tmp_path / "run")
     with pytest.raises(EngineConfigError) as no_key:
         server.start()
     assert no_key.value.field == "engine.api_key"
@@ -201,13 +202,16 @@ def test_an_exposed_engine_without_an_api_key_is_refused(tmp_path: Path) -> None
 
 def test_an_exposed_engine_gets_its_key_and_clients_send_it(tmp_path: Path) -> None:
     raw = _raw_config(tmp_path, {"host": "0.0.0.0", "api_key": "sk-live-123456"})
-    settings = ExperimentConfig.from_dict(raw, check_environment=False).engine.settings()
+    settings = ExperimentConfig.from_dict(raw, check_environment=False).engine_settings()
     engine = VllmEngine(settings)
     argv = engine.server_command(ServerSpec(tmp_path, 8000))
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
     assert "sk-live-123456" not in " ".join(argv)  # argv is visible to every user through ps
     assert engine.server_env(tmp_path)["VLLM_API_KEY"] == "sk-live-123456"
-    client = _Client("http://127.0.0.1:8000", "target", engine, max_tokens=4, timeout_s=5.0, width=1)
+    client = _Client(
+        "http://127.0.0.1:8000", "target", engine, max_tokens=4, timeout_s=5.0, width=1,
+        num_speculative_tokens=None,
+    )  # fmt: skip
     assert client.http.headers["Authorization"] == "Bearer sk-live-123456"
     assert EngineServer(engine, tmp_path, tmp_path / "run", port=8000).base_url == "http://127.0.0.1:8000"
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")

@@ -29,11 +29,11 @@ def test_a_remote_artifact_store_downloads_the_drafter_before_serving_it(tmp_pat
         "s3://bucket/mlartifacts/1/models/m-1/artifacts/drafter",
         "mlflow-artifacts:/1/m-1/drafter",
     ):
-        command = serving_command(_config(tmp_path), source, None)
+        command = serving_command(_config(tmp_path), source, 4)
         download, serve = command.split(" && ")
         assert (
             download == f"mlflow artifacts download --artifact-uri {source} --dst-path ./tiny-llama-drafter"
         )
-        # the engine gets the downloaded folder, never the URI it cannot open; k from the config (3)
+        # the engine gets the downloaded folder, never the URI it cannot open; k the evaluation's (4)
         assert '"model": "./tiny-llama-drafter/drafter"' in serve and source not in serve
-        assert '"num_speculative_tokens": 3' in serve
+        assert '"num_speculative_tokens": 4' in serve

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from draftloop.cli import app
 from draftloop.commands.status import recent_cycles
-from draftloop.infra.registry.tracking import Tracker
+from draftloop.infra.registry.runs import Tracker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,14 +11,9 @@ import pytest
 from fixtures_registry import drafter_card, fake_drafter
 
 from draftloop.infra.evaluation.plots import plot_training_curves
-from draftloop.infra.registry.tracking import (
-    CHAMPION_ALIAS,
-    CycleResults,
-    Tracker,
-    evaluate_gate,
-    flatten_params,
-    register_drafter,
-)
+from draftloop.infra.registry.gate import CHAMPION_ALIAS, CycleResults, evaluate_gate
+from draftloop.infra.registry.models import register_drafter
+from draftloop.infra.registry.runs import Tracker, flatten_params
 
 
 def _gate(**overrides: object) -> SimpleNamespace:
@@ -151,3 +147,28 @@ def test_metrics_params_and_plots(tracker: Tracker, tmp_path: Path) -> None:
     plots = {Path(item.path).name for item in client.list_artifacts(run_id, "plots")}
     assert plots == {"training_curves.png"}
     assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 1000
+
+
+def test_cycle_results_are_frozen_and_read_back_from_their_json_shape() -> None:
+    results = dataclasses.replace(
+        _results(2.2), lossless=True, speedup_status={1: "ok", 4: "inconclusive: [0.9, 1.4]"}, recommended_k=3
+    )
+    shape = results.to_dict()
+    assert list(shape) == [
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "per_position_acceptance",
+        "speedup",
+        "throughput",
+        "simulator_acceptance_rate",
+        "consistent",
+        "lossless",
+        "speedup_status",
+        "recommended_k",
+    ]
+    assert shape["speedup"] == {"1": 0.8, "4": 0.8 * 0.9}  # JSON object keys: concurrency as text
+    stored = json.loads(json.dumps(shape))
+    assert CycleResults.from_dict(stored) == results
+    assert CycleResults.from_dict(stored).to_dict() == shape
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        results.mean_acceptance_length = 3.0  # type: ignore[misc]

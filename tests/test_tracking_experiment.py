@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from draftloop.infra.registry.tracking import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, Tracker
+from draftloop.infra.registry.runs import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, Tracker
 
 
 def test_new_experiment_is_tagged_as_model_training(tmp_path: Path) -> None:

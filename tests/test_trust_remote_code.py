@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 from fake_engine import fake_engine
+from fixtures_engine import evaluation_plan
 from fixtures_kernels import builtin_prompts, load_target, untrained_drafter
 from test_evaluation_run import saved_drafter
 
-from draftloop.infra.evaluation import run
-from draftloop.infra.evaluation.benchmark import BenchmarkPlan
+from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import NumericMode, encode_prompts, run_simulator
 from draftloop.infra.extraction import engine as engine_extraction
@@ -99,14 +99,12 @@ def test_the_simulator_and_the_prompt_encoder(
     assert loads == [("AutoTokenizer.from_pretrained", trusted)]
 
 
-def test_evaluate_from_config_passes_the_targets_setting(
-    monkeypatch: pytest.MonkeyPatch, target_dir: Path, tmp_path: Path
-) -> None:
-    passed: list[Any] = []
-    monkeypatch.setattr(run, "evaluate", lambda *args, **kwargs: passed.append(kwargs["trust_remote_code"]))
-    for config in (_config(target_dir), _config(target_dir, trust_remote_code=True)):
-        run.evaluate_from_config(config, fake_engine(), target_dir, tmp_path, ["Hi."], tmp_path)
-    assert passed == [False, True]
+def test_the_evaluation_plan_carries_the_targets_setting(target_dir: Path) -> None:
+    plans = [
+        EvaluationPlan.from_config(config)
+        for config in (_config(target_dir), _config(target_dir, trust_remote_code=True))
+    ]
+    assert [plan.trust_remote_code for plan in plans] == [False, True]
 
 
 def test_evaluate_loads_the_target_with_it(
@@ -114,10 +112,8 @@ def test_evaluate_loads_the_target_with_it(
 ) -> None:
     """The fake engine's servers, the simulator run here (no figures given): every load is trusted."""
     drafter = saved_drafter(target_dir, tmp_path / "drafter")
-    report = evaluate(
-        fake_engine(), target_dir, drafter, ["Hi."], tmp_path / "eval", plan=BenchmarkPlan(max_tokens=4),
-        concurrency=[1], trust_remote_code=True,
-    )  # fmt: skip
+    plan = evaluation_plan(max_tokens=4, concurrency=[1], trust_remote_code=True)
+    report = evaluate(fake_engine(), plan, target_dir, drafter, ["Hi."], tmp_path / "eval")
     assert report.simulator is not None
     assert loads and all(trusted is True for _, trusted in loads), loads
     assert {name for name, _ in loads} == {

@@ -21,12 +21,16 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON report."),
 ) -> None:
     """Engine version, which draftloop plugin patches apply, whether the target's class supports EAGLE-3
-    (natively or through which patch), and the aux layer ids the engine will capture for the drafter."""
+    (natively or through which patch), and the aux layer ids the engine will capture for the drafter.
+    Exits 2 when it finds what the cycle would refuse (the REFUSED lines say what)."""
     from draftloop.commands.config_cmd import load_config_or_exit
-    from draftloop.infra.engines.base import EngineConfigError, EngineError, EngineSettings, get_engine
-    from draftloop.infra.engines.doctor import format_report, run_doctor
+    from draftloop.infra.engines.base import EngineConfigError, EngineError, get_engine
+    from draftloop.infra.engines.doctor import format_report, refusals, run_doctor
+    from draftloop.infra.runtime.config import EngineConfig
 
-    settings = EngineSettings()
+    settings = EngineConfig().settings(trust_remote_code=False)  # the engine section's defaults
+    # ... whose python names the repository's engine environment, wherever the command runs
+    settings = replace(settings, python=str(Path(__file__).resolve().parents[2] / settings.python))
     target_dir = target
     if config is not None:
         loaded = load_config_or_exit(config)
@@ -54,6 +58,8 @@ def doctor(
         typer.echo(f"engine error: {error}", err=True)
         raise typer.Exit(code=1) from None
     typer.echo(json.dumps(report, indent=2, sort_keys=True) if as_json else format_report(report))
+    if refusals(report):
+        raise typer.Exit(code=2)
 
 
 def register(app: typer.Typer) -> None:

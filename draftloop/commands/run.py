@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -82,25 +83,56 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 
 def bad_input_behind(error: BaseException) -> BaseException | None:
-    """The user-input error (a refused drafter/target pairing, an unreadable checkpoint, bad prompt data)
-    a stage failure comes from, if any: the cycle then exits 2 with its one-line message."""
+    """The user-input error (a refused drafter/target pairing, an unreadable checkpoint, bad prompt data, a
+    config or target the cycle refuses) a stage failure comes from, if any, even raised inside a Ray actor:
+    the cycle then exits 2 with its one-line message (`one_line`)."""
     from draftloop.infra.engines.base import EngineConfigError
+    from draftloop.infra.runtime.config import ConfigError
     from draftloop.infra.synthesis.prompts import DataError
+    from draftloop.infra.targets.support import TargetRefusedError
     from draftloop.kernels.checkpoint import DrafterFormatError
+    from draftloop.kernels.families.base import UnknownFamilyError
 
+    user_errors = (
+        EngineConfigError,
+        DrafterFormatError,
+        DataError,
+        ConfigError,
+        TargetRefusedError,
+        UnknownFamilyError,
+    )
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, EngineConfigError | DrafterFormatError | DataError):
-            return current
+        # A Ray task error is also an instance of the actor's exception class; `cause` is that exception.
+        cause = getattr(current, "cause", None)
+        if isinstance(current, user_errors):
+            return cause if isinstance(cause, user_errors) else current
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        current = (
+            current.__cause__ or current.__context__ or (cause if isinstance(cause, BaseException) else None)
+        )
     return None
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message (a user error's message is one line; a traceback is not)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
     """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
     console = Console()
+    # The stage names, before anything is created (this imports Prefect with the caller's settings, as
+    # importing any stage does; the run's own settings below are read when the flow starts).
+    from draftloop.flows.pipeline import CYCLE
+
+    try:
+        stages = CYCLE.until(until).names
+    except ValueError as error:
+        console.print(f"[red]error:[/red] --{error}")
+        raise typer.Exit(2) from None
     # creates nothing; bad prompt data is one line and exit 2 here, before any service starts
     read_data_or_exit(load_config_or_exit(config_path, set_options))
     state = state_dir()
@@ -109,16 +141,9 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
     # Prefect creates PREFECT_HOME on import without its parents (a warning on a fresh checkout), and
     # sqlite will not create it either: made here, once the config is accepted.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    # Imported only now: Prefect reads its settings on import, which must be the ones set above.
-    from draftloop.flows.pipeline import CYCLE
     from draftloop.flows.train_and_eval import train_and_eval
     from draftloop.tasks.cycle import PROGRESS_LOG
 
-    try:
-        stages = CYCLE.until(until).names
-    except ValueError as error:
-        console.print(f"[red]error:[/red] --{error}")
-        raise typer.Exit(2) from None
     overrides = parse_set_options(set_options)
     with Progress(
         SpinnerColumn(),
@@ -145,12 +170,13 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         bars_handler = ProgressBars()
         PROGRESS_LOG.addHandler(bars_handler)
         try:
-            summary = train_and_eval(config=str(config_path), overrides=overrides, until=until)
+            # absolute: the flow resolves the config's paths against its folder, not the cwd
+            summary = train_and_eval(config=str(config_path.resolve()), overrides=overrides, until=until)
         except Exception as error:
             progress.stop()
             bad_input = bad_input_behind(error)
             if bad_input is not None:
-                console.print(f"[red]error:[/red] {bad_input}")
+                console.print(f"[red]error:[/red] {escape(one_line(bad_input))}")
                 raise typer.Exit(2) from None
             console.print(f"[red]cycle failed:[/red] {error}")
             raise typer.Exit(1) from error

@@ -86,13 +86,11 @@ def _load_target(path: Path, *, trust_remote_code: bool = False) -> tuple[Any, A
     return model.eval(), tokenizer  # simulate_acceptance moves it to --device
 
 
-def _figure(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def _print_report(report: Any) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from draftloop.infra.registry.figures import format_figure
 
     summary = Table(title="speculative decoding (simulated, greedy)")
     summary.add_column("metric")
@@ -104,9 +102,9 @@ def _print_report(report: Any) -> None:
         ("drafts", str(report.num_drafts)),
         ("draft tokens", str(report.num_draft_tokens)),
         ("accepted tokens", str(report.num_accepted_tokens)),
-        ("acceptance rate", _figure(report.acceptance_rate, ".3f")),
-        ("mean acceptance length", _figure(report.mean_acceptance_length, ".3f")),
-        ("tokens/s", _figure(report.tokens_per_second, ".1f")),
+        ("acceptance rate", format_figure(report.acceptance_rate, 3)),
+        ("mean acceptance length", format_figure(report.mean_acceptance_length, 3)),
+        ("tokens/s", format_figure(report.tokens_per_second, 1)),
         ("captured layer ids (layer_input)", str(report.capture_layer_ids)),
         ("drafter's layer ids (layer_input)", str(report.drafter_layer_ids)),
     ]
@@ -118,7 +116,7 @@ def _print_report(report: Any) -> None:
     positions.add_column("rate", justify="right")
     rates = report.per_position_acceptance or [None] * report.k  # no rates before any draft
     for index, (count, rate) in enumerate(zip(report.accepted_per_position, rates, strict=True)):
-        positions.add_row(str(index), str(count), _figure(rate, ".3f"))
+        positions.add_row(str(index), str(count), format_figure(rate, 3))
     console = Console()
     if report.layer_ids_forced:
         console.print(

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from draftloop.infra.registry.figures import as_number, format_figure
 from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 
 # The same default as `draftloop run`/`demo` and the flow's form: its store is `draftloop up`'s.
@@ -38,10 +39,6 @@ class CycleRow:
     gate: str
 
 
-def _figure(value: Any, suffix: str = "") -> str:
-    return f"{value:.2f}{suffix}" if isinstance(value, int | float) else "-"
-
-
 def _load_summary(client: Any, run_id: str) -> dict[str, Any] | None:
     """The cycle's summary.json, or None (a running cycle has none yet; a crash may leave none)."""
     with tempfile.TemporaryDirectory(prefix="draftloop-status-") as scratch:
@@ -58,7 +55,7 @@ def cycle_row(client: Any, run: Any) -> CycleRow:
     metrics = run.data.metrics
     length = summary.get("mean_acceptance_length", metrics.get("mean_acceptance_length"))
     speedup = (summary.get("speedup") or {}).get("1", metrics.get("speedup_c1"))
-    speedup_text = _figure(speedup, "x")
+    speedup_text = format_figure(as_number(speedup), 2, "x", missing="-")
     flag = str((summary.get("speedup_status") or {}).get("1", "ok"))
     if speedup is not None and flag != "ok":
         speedup_text += f" ({flag.split(':')[0]})"  # a flagged figure is not one to act on
@@ -79,7 +76,7 @@ def cycle_row(client: Any, run: Any) -> CycleRow:
         name=run.info.run_name or run.info.run_id,
         status=str(run.info.status).lower(),
         verdict=str(summary.get("verdict") or "-"),
-        acceptance_length=_figure(length),
+        acceptance_length=format_figure(as_number(length), 2, missing="-"),
         speedup_c1=speedup_text,
         model_version=model_version,
         gate=gate,
@@ -88,11 +85,11 @@ def cycle_row(client: Any, run: Any) -> CycleRow:
 
 def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleRow] | None:
     """The `limit` newest cycles of `experiment`, newest first; None when the experiment does not exist."""
-    # Imported here: mlflow is slow to import for the other commands. Importing tracking also turns
-    # MLflow's download progress bars off (an environment default it sets).
+    # Imported here: mlflow is slow to import for the other commands. The registry package (figures, above)
+    # has already turned MLflow's download progress bars off (an environment default it sets).
     from mlflow.tracking import MlflowClient
 
-    from draftloop.infra.registry.tracking import resolve_tracking_uri
+    from draftloop.infra.registry.runs import resolve_tracking_uri
 
     client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
     found = client.get_experiment_by_name(experiment)

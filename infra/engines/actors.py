@@ -3,31 +3,65 @@
 Each server runs in an `EngineServerActor` (on the node and GPUs Ray gives it, `engine.num_gpus`);
 the driver talks to it over HTTP through a `ServerProxy`. A server's process group is recorded in the
 cycle's PID record, so a cancelled or crashed flow run stops it even if this process dies.
+`server_starter` is the evaluation's `StartServer` with each server in an actor.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from draftloop.infra.engines.base import Engine
-from draftloop.infra.engines.server import (
-    EngineServer,
-    EngineServerActor,
-    EngineStartError,
-    SmokeResult,
-    clean_stale_servers,
-)
+from draftloop.infra.engines.base import Engine, EngineSettings, Speculation
+from draftloop.infra.engines.leftovers import clean_stale_servers
+from draftloop.infra.engines.server import EngineServer, EngineStartError, SmokeResult, StartServer
 from draftloop.infra.runtime.processes import PidRecord
 from draftloop.infra.runtime.ray_cluster import kill_actors
 
 # How long a server may take to shut down from inside its actor before the actor is killed.
 _STOP_TIMEOUT_S = 60
+
+
+class EngineServerActor:
+    """Hosts one EngineServer inside a Ray actor (on the node and GPUs Ray gives it).
+
+    Create with `EngineServerActor.options_for(settings).remote(EngineServer(...))`: num_gpus comes from
+    the engine config (0 on CPU); the server, not started yet, travels pickled and starts on the actor's
+    node. The benchmark client talks to the url `start()` returns over HTTP.
+    """
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+
+    def start(self) -> dict[str, Any]:
+        """Start and wait until ready; returns url, startup_s, log path (EngineStartError propagates)."""
+        self.server.start()
+        startup = self.server.wait_ready()
+        return {"url": self.server.base_url, "startup_s": startup, "log_path": str(self.server.log_path)}
+
+    def smoke_test(self) -> SmokeResult:
+        return self.server.smoke_test()
+
+    def metrics_text(self) -> str:
+        return self.server.metrics_text()
+
+    def check_alive(self) -> None:
+        """EngineStartError (with the log excerpt) when the server has exited or logged a fatal error."""
+        self.server.check_alive()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    @staticmethod
+    def options_for(settings: EngineSettings, **options: Any) -> Any:
+        """The ray.remote actor class with the resources the engine config asks for."""
+        return ray.remote(num_gpus=settings.num_gpus, num_cpus=0, max_restarts=0, **options)(
+            EngineServerActor
+        )
 
 
 @dataclass
@@ -71,8 +105,7 @@ def start_server_actor(
     target_path: str | Path,
     run_dir: Path,
     name: str,
-    drafter_dir: str | Path | None = None,
-    num_speculative_tokens: int | None = None,
+    speculation: Speculation | None = None,
     pids: PidRecord | None = None,
     **actor_options: Any,
 ) -> ServerProxy:
@@ -87,8 +120,7 @@ def start_server_actor(
         Path(target_path),
         run_dir,
         name=name,
-        drafter_dir=Path(drafter_dir) if drafter_dir is not None else None,
-        num_speculative_tokens=num_speculative_tokens if drafter_dir is not None else None,
+        speculation=speculation,
         pid_record=pids,
     )
     actor = EngineServerActor.options_for(engine.settings, **actor_options).remote(server)
@@ -113,17 +145,12 @@ def server_starter(
     run_dir: Path,
     pids: PidRecord | None = None,
     **actor_options: Any,
-) -> Callable[[str, Path | None, int | None], contextlib.AbstractContextManager[ServerProxy]]:
-    """evaluation's `start_server(name, drafter_dir, num_speculative_tokens)`: each server in its own
-    actor, stopped on exit."""
+) -> StartServer:
+    """evaluation's `start_server(name, speculation)`: each server in its own actor, stopped on exit."""
 
     @contextlib.contextmanager
-    def start(
-        name: str, drafter_dir: Path | None, num_speculative_tokens: int | None
-    ) -> Iterator[ServerProxy]:
-        server = start_server_actor(
-            engine, target_path, run_dir, name, drafter_dir, num_speculative_tokens, pids, **actor_options
-        )
+    def start(name: str, speculation: Speculation | None) -> Iterator[ServerProxy]:
+        server = start_server_actor(engine, target_path, run_dir, name, speculation, pids, **actor_options)
         try:
             yield server
         except Exception as error:

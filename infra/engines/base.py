@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -97,23 +97,27 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The engine section of the experiment config, as the engine modules need it."""
+    """The engine section of the experiment config, as the engine modules need it.
 
-    kind: str = "vllm"
-    python: str = ".venvs/vllm/bin/python"
-    num_speculative_tokens: int = 3
-    dtype: str = "float32"
-    enforce_eager: bool = True
-    max_model_len: int = 1024
-    max_num_seqs: int = 16
-    startup_timeout_s: float = 600.0
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    num_gpus: float = 0
-    kv_cache_space_gib: int = 1
-    host: str = "127.0.0.1"  # the address servers bind; beyond loopback they require `api_key`
-    api_key: str | None = None
-    trust_remote_code: bool = False  # the server runs the target folder's own code (target.trust_remote_code)
+    No defaults here: it is built in one place, `EngineConfig.settings` (infra/runtime/config.py), from
+    the config's engine section and the target's `trust_remote_code`. k is not a setting: each
+    speculative server gets its own (`Speculation`).
+    """
+
+    kind: str
+    python: str
+    dtype: str
+    enforce_eager: bool
+    max_model_len: int
+    max_num_seqs: int
+    startup_timeout_s: float
+    extra_args: tuple[str, ...]
+    env: Mapping[str, str]
+    num_gpus: float
+    kv_cache_space_gib: int
+    host: str  # the address servers bind; beyond loopback they require `api_key`
+    api_key: str | None
+    trust_remote_code: bool  # the server runs the target folder's own code (target.trust_remote_code)
 
 
 @dataclass(frozen=True)
@@ -126,15 +130,28 @@ class ExtractedHiddenStates:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """What makes a server speculative: the drafter folder it loads and its k (tokens proposed per step).
+
+    k belongs to each server, never to the engine: the k sweep serves one drafter at several k."""
+
+    drafter_dir: Path
+    num_speculative_tokens: int
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if k < 1:
+            raise EngineError(f"a speculative server proposes 1 token or more per step, not {k}")
+
+
+@dataclass(frozen=True)
 class ServerSpec:
-    """What one server serves: the target, and for a speculative server the drafter and its k
-    (None = the engine settings' `num_speculative_tokens`)."""
+    """What one server serves: the target, and for a speculative server its `speculation`."""
 
     target_dir: Path
     port: int
     served_model_name: str = "target"
-    drafter_dir: Path | None = None
-    num_speculative_tokens: int | None = None
+    speculation: Speculation | None = None
 
 
 class Engine(ABC):
@@ -150,7 +167,19 @@ class Engine(ABC):
     engine_fatal_patterns: ClassVar[tuple[FatalPattern, ...]] = ()
 
     def __init__(self, settings: EngineSettings | None = None) -> None:
-        self.settings = settings or EngineSettings(kind=self.kind)
+        # None: an engine that exports drafters, reads their layer ids, logs and counters, but serves
+        # nothing (whatever reads `settings` says so).
+        self._settings = settings
+
+    @property
+    def settings(self) -> EngineSettings:
+        """The config's engine section (EngineConfig.settings); an engine built without it cannot serve."""
+        if self._settings is None:
+            raise EngineError(
+                f"engine {self.kind!r} was built without settings (the config's engine section): "
+                "it exports drafters and reads counters, but cannot build or reach a server"
+            )
+        return self._settings
 
     # ---- environment -------------------------------------------------------------------------
 
@@ -183,7 +212,7 @@ class Engine(ABC):
 
     @abstractmethod
     def server_command(self, spec: ServerSpec) -> list[str]:
-        """argv of the server: baseline when `spec.drafter_dir` is None, speculative otherwise."""
+        """argv of the server: baseline when `spec.speculation` is None, speculative otherwise."""
 
     @abstractmethod
     def user_serving_command(self, target: str, drafter: str, num_speculative_tokens: int) -> str:
@@ -259,8 +288,11 @@ class Engine(ABC):
     def parse_metrics(self, text: str) -> SpecCounters | None:
         """Cumulative counters from the engine's Prometheus /metrics text (None when it has none)."""
 
-    def counters_from_response(self, response: Mapping[str, Any]) -> SpecCounters | None:
-        """Per-request counters carried in a completion response (engines without cumulative counters)."""
+    def counters_from_response(
+        self, response: Mapping[str, Any], num_speculative_tokens: int
+    ) -> SpecCounters | None:
+        """Per-request counters carried in a completion response of a server speculating at
+        `num_speculative_tokens` (engines without cumulative counters)."""
         return None
 
     def request_headers(self) -> dict[str, str]:
@@ -350,9 +382,9 @@ def engine_class(kind: str) -> type[Engine]:
 
 
 def get_engine(kind: str, settings: EngineSettings | None = None) -> Engine:
-    """An instance of the engine `kind` (any module registered under infra/engines/, or elsewhere)."""
-    cls = engine_class(kind)
-    return cls(settings if settings is not None else EngineSettings(kind=cls.kind))
+    """An instance of the engine `kind` (any module registered under infra/engines/, or elsewhere);
+    without `settings` it exports drafters and reads counters but serves nothing."""
+    return engine_class(kind)(settings)
 
 
 def known_engines() -> list[str]:

@@ -7,9 +7,9 @@ polled for exit; either raises `EngineStartError` carrying the log excerpt withi
 
 Servers are stopped (SIGTERM, then SIGKILL, to the process group, by PID) on `stop()`, on leaving the
 context manager, at interpreter exit and on SIGTERM/SIGINT to the orchestrator. A pidfile under the run
-folder records each server, so the next start in that folder kills a stale one left by a crashed run,
-and removes the /dev/shm files it left (only files recorded as that server's own); the cycle's PID
-record (`pid_record`) names it too, for the next run's reaper when the driver itself was killed.
+folder records each server, so the next start in that folder kills a stale one left by a crashed run
+(leftovers.py); the cycle's PID record (`pid_record`) names it too, for the next run's reaper when the
+driver itself was killed. In a Ray actor: infra/engines/actors.py.
 
 A server binds `engine.host` (127.0.0.1 by default); bound beyond loopback it refuses to start without
 `engine.api_key`, which every client of it sends as a bearer token (`Engine.request_headers`).
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -38,15 +37,23 @@ from draftloop.infra.engines.base import (
     Engine,
     EngineConfigError,
     EngineError,
-    EngineSettings,
     ServerSpec,
+    Speculation,
     is_loopback,
 )
-from draftloop.infra.runtime.processes import PidRecord, is_alive, stop_processes
+from draftloop.infra.engines.leftovers import (
+    ServerPidfile,
+    clean_stale_servers,
+    group_pids,
+    pid_tagged_shm,
+    pidfile_path,
+    remove_unused_shm,
+    shm_held_by,
+)
+from draftloop.infra.runtime.ports import free_port
+from draftloop.infra.runtime.processes import PidRecord, stop_processes
 from draftloop.infra.runtime.redaction import redact_text
 
-SHM_DIR = Path("/dev/shm")
-PIDFILE_DIR_NAME = "engine-servers"
 _POLL_S = 0.25
 
 
@@ -83,110 +90,6 @@ class SmokeResult:
 
     content: str
     reasoning: str | None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                # /proc/<pid>/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces.
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid:
-                    pids.append(int(proc.name))
-    return pids
-
-
-def _shm_held_by(pids: list[int]) -> set[str]:
-    """/dev/shm files the processes `pids` have open or mapped."""
-    held: set[str] = set()
-    prefix = str(SHM_DIR) + "/"
-    for pid in pids:
-        proc = Path(f"/proc/{pid}")
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith(prefix):
-                        held.add(target[len(prefix) :].split(" ")[0])
-        with contextlib.suppress(OSError):
-            for line in (proc / "maps").read_text(errors="replace").splitlines():
-                index = line.find(prefix)
-                if index >= 0:
-                    held.add(line[index + len(prefix) :].split(" ")[0])
-    return held
-
-
-def _shm_in_use() -> set[str]:
-    """Names of /dev/shm files some live process has open or mapped."""
-    return _shm_held_by([int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit()])
-
-
-_KMP_FILE = re.compile(r"^__KMP_REGISTERED_LIB_(\d+)_")
-
-
-def _pid_tagged_shm(pids: set[int]) -> set[str]:
-    """Files Intel OpenMP (libiomp5, preloaded for vLLM CPU) registers under its process id."""
-    names: set[str] = set()
-    with contextlib.suppress(OSError):
-        for path in SHM_DIR.iterdir():
-            match = _KMP_FILE.match(path.name)
-            if match and int(match.group(1)) in pids:
-                names.add(path.name)
-    return names
-
-
-def _remove_unused_shm(names: set[str]) -> list[str]:
-    """Remove the /dev/shm files `names` that no live process holds; returns those removed."""
-    if not names:
-        return []
-    in_use = _shm_in_use()
-    removed = []
-    for name in sorted(names - in_use):
-        match = _KMP_FILE.match(name)
-        if match and is_alive(int(match.group(1))):
-            continue
-        with contextlib.suppress(OSError):
-            (SHM_DIR / name).unlink()
-            removed.append(name)
-    return removed
-
-
-def clean_stale_servers(run_dir: Path) -> list[int]:
-    """Kill servers recorded in run_dir's pidfiles whose command line still matches; remove their
-    recorded /dev/shm files. Returns the PIDs killed."""
-    killed: list[int] = []
-    folder = Path(run_dir) / PIDFILE_DIR_NAME
-    if not folder.is_dir():
-        return killed
-    for pidfile in folder.glob("*.json"):
-        try:
-            record = json.loads(pidfile.read_text())
-        except (OSError, json.JSONDecodeError):
-            pidfile.unlink(missing_ok=True)
-            continue
-        pid = int(record.get("pid", 0))
-        # Only ours: the live process must still run the command line we recorded (PIDs get reused).
-        if pid > 0 and is_alive(pid) and _cmdline(pid) == list(record.get("argv", [])):
-            stop_processes([int(record.get("pgid", pid))], grace_s=5.0)
-            killed.append(pid)
-        _remove_unused_shm({str(name) for name in record.get("shm_files", []) if "/" not in str(name)})
-        pidfile.unlink(missing_ok=True)
-    return killed
 
 
 # Servers started by this process, stopped at exit or on a terminating signal.
@@ -240,8 +143,7 @@ class EngineServer:
         run_dir: Path,
         *,
         name: str = "baseline",
-        drafter_dir: Path | None = None,
-        num_speculative_tokens: int | None = None,
+        speculation: Speculation | None = None,
         port: int | None = None,
         served_model_name: str = "target",
         startup_timeout_s: float | None = None,
@@ -251,13 +153,16 @@ class EngineServer:
         self.target_dir = Path(target_dir).resolve()
         self.run_dir = Path(run_dir).resolve()
         self.name = name
-        self.drafter_dir = Path(drafter_dir).resolve() if drafter_dir is not None else None
-        self.num_speculative_tokens = num_speculative_tokens
+        self.speculation = (
+            Speculation(Path(speculation.drafter_dir).resolve(), speculation.num_speculative_tokens)
+            if speculation is not None
+            else None
+        )
         self.port = port
         self.served_model_name = served_model_name
         self.startup_timeout_s = float(startup_timeout_s or engine.settings.startup_timeout_s)
         self.log_path = self.run_dir / f"server-{name}.log"
-        self.pidfile = self.run_dir / PIDFILE_DIR_NAME / f"{name}.json"
+        self.pidfile = pidfile_path(self.run_dir, name)
         # The cycle's PID record: the server is in it from the moment it is spawned, so a driver killed
         # while the server starts still leaves it to the next run's reaper.
         self.pid_record = pid_record
@@ -312,8 +217,7 @@ class EngineServer:
                 self.target_dir,
                 self.port,
                 served_model_name=self.served_model_name,
-                drafter_dir=self.drafter_dir,
-                num_speculative_tokens=self.num_speculative_tokens,
+                speculation=self.speculation,
             )
         )
         # Recorded as passed: it must equal /proc/<pid>/cmdline for the stale-server check.
@@ -346,28 +250,23 @@ class EngineServer:
         """Tag the /dev/shm files this server's processes hold now as its own (pidfile included)."""
         if self.process is None:
             return
-        pids = _group_pids(self.process.pid)
+        pids = group_pids(self.process.pid)
         self._own_pids.update(pids)
-        self._own_shm |= _shm_held_by(pids) | _pid_tagged_shm(self._own_pids)
+        self._own_shm |= shm_held_by(pids) | pid_tagged_shm(self._own_pids)
         self._write_pidfile(self._own_shm)
 
     def _write_pidfile(self, shm_files: set[str] | None = None) -> None:
         if self.process is None:
             return
-        self.pidfile.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "pid": self.process.pid,
-            "pgid": self.process.pid,
-            "argv": self._argv,
-            "name": self.name,
-            "port": self.port,
-            "log": str(self.log_path),
-            "started": time.time(),
-            "shm_files": sorted(shm_files or []),
-        }
-        tmp = self.pidfile.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(self.pidfile)
+        record = ServerPidfile(
+            pid=self.process.pid,
+            argv=self._argv,
+            name=self.name,
+            port=self.port,
+            log=str(self.log_path),
+            shm_files=sorted(shm_files or []),
+        )
+        record.write(self.pidfile)
 
     def read_log(self) -> str:
         try:
@@ -502,7 +401,7 @@ class EngineServer:
                 os.killpg(process.pid, signal.SIGKILL)
         # The server's own /dev/shm files (held by its process group while it ran) that no live
         # process holds any more: its leftovers. Files of other processes are never touched.
-        _remove_unused_shm(self._own_shm | _pid_tagged_shm(self._own_pids))
+        remove_unused_shm(self._own_shm | pid_tagged_shm(self._own_pids))
         self.pidfile.unlink(missing_ok=True)
         if self.pid_record is not None:
             self.pid_record.forget(self.record_kind)
@@ -525,45 +424,17 @@ class EngineServer:
         return id(self)
 
 
-# ------------------------------------------------------------------------------------------------
-# Ray actor
+# start_server(name, speculation): a context manager yielding a running server (speculation None: a
+# baseline). The evaluation starts every server through one; infra/engines/actors.py has the Ray one.
+StartServer = Callable[[str, Speculation | None], AbstractContextManager[Any]]
 
 
-class EngineServerActor:
-    """Hosts one EngineServer inside a Ray actor (on the node and GPUs Ray gives it).
+def local_server_starter(engine: Engine, target_dir: Path, run_dir: Path) -> StartServer:
+    """`StartServer` without Ray: each server an EngineServer in this process."""
 
-    Create with `EngineServerActor.options_for(settings).remote(EngineServer(...))`: num_gpus comes from
-    the engine config (0 on CPU); the server, not started yet, travels pickled and starts on the actor's
-    node. The benchmark client talks to the url `start()` returns over HTTP.
-    """
+    @contextlib.contextmanager
+    def start(name: str, speculation: Speculation | None) -> Iterator[EngineServer]:
+        with EngineServer(engine, target_dir, run_dir, name=name, speculation=speculation) as server:
+            yield server
 
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
-
-    def start(self) -> dict[str, Any]:
-        """Start and wait until ready; returns url, startup_s, log path (EngineStartError propagates)."""
-        self.server.start()
-        startup = self.server.wait_ready()
-        return {"url": self.server.base_url, "startup_s": startup, "log_path": str(self.server.log_path)}
-
-    def smoke_test(self) -> SmokeResult:
-        return self.server.smoke_test()
-
-    def metrics_text(self) -> str:
-        return self.server.metrics_text()
-
-    def check_alive(self) -> None:
-        """EngineStartError (with the log excerpt) when the server has exited or logged a fatal error."""
-        self.server.check_alive()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    @staticmethod
-    def options_for(settings: EngineSettings, **options: Any) -> Any:
-        """The ray.remote actor class with the resources the engine config asks for."""
-        import ray
-
-        return ray.remote(num_gpus=settings.num_gpus, num_cpus=0, max_restarts=0, **options)(
-            EngineServerActor
-        )
+    return start

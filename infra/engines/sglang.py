@@ -58,13 +58,13 @@ class SglangEngine(Engine):
             argv.append("--disable-cuda-graph")
         if s.trust_remote_code:
             argv.append("--trust-remote-code")
-        if spec.drafter_dir is not None:
-            steps = int(spec.num_speculative_tokens or s.num_speculative_tokens)
+        if spec.speculation is not None:
+            steps = spec.speculation.num_speculative_tokens
             argv += [
                 "--speculative-algorithm",
                 "EAGLE3",
                 "--speculative-draft-model-path",
-                str(spec.drafter_dir),
+                str(spec.speculation.drafter_dir),
                 "--speculative-num-steps",
                 str(steps),
                 "--speculative-eagle-topk",
@@ -102,14 +102,18 @@ class SglangEngine(Engine):
         # OpenAI-compatible endpoints carry meta_info only on request.
         return {"return_meta_info": True}
 
-    def counters_from_response(self, response: Mapping[str, Any]) -> SpecCounters | None:
-        """Counters of one request from its `meta_info` (native /generate, or an OpenAI choice)."""
+    def counters_from_response(
+        self, response: Mapping[str, Any], num_speculative_tokens: int
+    ) -> SpecCounters | None:
+        """Counters of one request from its `meta_info` (native /generate, or an OpenAI choice), on a
+        server started at k = `num_speculative_tokens`: the k of that server, not of the config (the k
+        sweep serves other k), gives the draft tokens of older SGLang and the per-position width."""
         meta = _find_meta_info(response)
         if meta is None or "spec_verify_ct" not in meta:
             return None
         verify = float(meta.get("spec_verify_ct") or 0)
         completion = float(meta.get("completion_tokens") or 0)
-        steps = float(self.settings.num_speculative_tokens)
+        steps = int(num_speculative_tokens)
         if "spec_accept_token_num" in meta:
             accepted = float(meta["spec_accept_token_num"])
         else:
@@ -124,7 +128,7 @@ class SglangEngine(Engine):
         if isinstance(histogram, list) and histogram:
             # histogram[j] = verify steps that accepted exactly j drafts; position i accepted when j > i.
             counts = [float(c) for c in histogram]
-            per_position = tuple(sum(counts[j] for j in range(i + 1, len(counts))) for i in range(int(steps)))
+            per_position = tuple(sum(counts[j] for j in range(i + 1, len(counts))) for i in range(steps))
         return SpecCounters(
             num_drafts=verify,
             num_draft_tokens=draft_tokens,

@@ -119,11 +119,11 @@ class VllmEngine(Engine):
         if s.num_gpus <= 0:
             # One CPU worker: run it inside the engine-core process (one Python process fewer to start).
             argv += ["--distributed-executor-backend", "uni"]
-        if spec.drafter_dir is not None:
+        if spec.speculation is not None:
             speculative = {
                 "method": "eagle3",
-                "model": str(spec.drafter_dir),
-                "num_speculative_tokens": int(spec.num_speculative_tokens or s.num_speculative_tokens),
+                "model": str(spec.speculation.drafter_dir),
+                "num_speculative_tokens": spec.speculation.num_speculative_tokens,
             }
             argv += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
         argv += list(s.extra_args)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import httpx
 
 from draftloop.infra.engines.base import Engine
+from draftloop.infra.evaluation.plan import BenchmarkPlan
 from draftloop.kernels.counters import SpecCounters
 
 # Per generated token: (token text, its top-2 logprobs {text: logprob}).
@@ -130,30 +131,6 @@ class OpenLoopResult:
 
 
 @dataclass
-class BenchmarkPlan:
-    """How a server is measured (the same plan for baseline and speculative servers).
-
-    Before anything is measured, `warmup_rounds` rounds of discarded requests at every concurrency level
-    (so every batch shape the sweep uses has been run once: first-request compilation, caches, allocator).
-    Each level then repeats `repeats` times; a repeat issues requests (prompts cycled) until it has at
-    least `min_output_tokens` output tokens, lasted `min_seconds`, and sent at least `concurrency` requests
-    (the reference level's first repeat sends every prompt once: the per-prompt records).
-    `request_rates`: open-loop rates (requests/s) measured after the levels, `open_loop_requests` each.
-    """
-
-    max_tokens: int
-    repeats: int = 3
-    min_output_tokens: int = 0
-    min_seconds: float = 0.0
-    warmup_rounds: int = 1
-    request_rates: Sequence[float] = ()
-    open_loop_requests: int = 16
-    tpot_target_s: float | None = None
-    seed: int = 0
-    timeout_s: float = 600.0
-
-
-@dataclass
 class ServerRun:
     """One server's measurements. The per-prompt records come from its lowest concurrency level
     (`reference_concurrency`), the level whose counters the consistency check compares."""
@@ -221,6 +198,7 @@ async def _one_request(
     body: dict[str, Any],
     index: int,
     engine: Engine,
+    num_speculative_tokens: int | None,
 ) -> RequestResult:
     started = time.perf_counter()
     first: float | None = None
@@ -262,9 +240,10 @@ async def _one_request(
                 usage = chunk.get("usage")
                 if isinstance(usage, Mapping) and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
-                found = engine.counters_from_response(chunk)
-                if found is not None:
-                    counters = found
+                if num_speculative_tokens is not None:  # a speculative server: its own k, not the config's
+                    found = engine.counters_from_response(chunk, num_speculative_tokens)
+                    if found is not None:
+                        counters = found
     except httpx.HTTPError as exc:
         return RequestResult(index, "".join(pieces), 0, first, time.perf_counter() - started, repr(exc))
     tokens = usage_tokens if usage_tokens is not None else chunks_with_text
@@ -288,15 +267,25 @@ def _choice_logprobs(choice: Mapping[str, Any]) -> TokenLogprobs:
 
 
 class _Client:
-    """Request bodies and one HTTP client for a server (greedy, streamed, top-2 logprobs)."""
+    """Request bodies and one HTTP client for a server (greedy, streamed, top-2 logprobs);
+    `num_speculative_tokens`: the server's k (None: a baseline server)."""
 
     def __init__(
-        self, base_url: str, model: str, engine: Engine, max_tokens: int, timeout_s: float, width: int
+        self,
+        base_url: str,
+        model: str,
+        engine: Engine,
+        max_tokens: int,
+        timeout_s: float,
+        width: int,
+        *,
+        num_speculative_tokens: int | None,
     ):
         self.url = base_url + "/v1/completions"
         self.model = model
         self.engine = engine
         self.max_tokens = max_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         limits = httpx.Limits(max_connections=width + 2, max_keepalive_connections=width + 2)
         self.http = httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=engine.request_headers())
 
@@ -311,7 +300,7 @@ class _Client:
             "logprobs": 2,  # top-2 per token: tells a numerical tie from a real loss
             **self.engine.request_extras(),
         }
-        return await _one_request(self.http, self.url, body, index, self.engine)
+        return await _one_request(self.http, self.url, body, index, self.engine, self.num_speculative_tokens)
 
 
 async def _closed_loop(
@@ -428,11 +417,13 @@ def benchmark_server(
     plan: BenchmarkPlan,
     *,
     name: str,
+    num_speculative_tokens: int | None,
     served_model_name: str = "target",
     smoke_content: str | None = None,
 ) -> ServerRun:
     """Warm the server up, then measure it at each concurrency (repeats; counters differenced around
-    each level) and at each open-loop request rate."""
+    each level) and at each open-loop request rate. `num_speculative_tokens`: the k the server was
+    started at (None: a baseline), for engines whose responses carry the counters."""
     levels = [int(level) for level in concurrency]
     reference = min(levels)
     width = max([*levels, plan.open_loop_requests if plan.request_rates else 1])
@@ -440,7 +431,15 @@ def benchmark_server(
     async def measure() -> tuple[
         list[ConcurrencyResult], list[OpenLoopResult], dict[int, RequestResult], int
     ]:
-        client = _Client(server.base_url, served_model_name, engine, plan.max_tokens, plan.timeout_s, width)
+        client = _Client(
+            server.base_url,
+            served_model_name,
+            engine,
+            plan.max_tokens,
+            plan.timeout_s,
+            width,
+            num_speculative_tokens=num_speculative_tokens,
+        )
         try:
             warmup = 0
             for _ in range(plan.warmup_rounds):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from draftloop.infra.evaluation.judge import KSweepEntry
     from draftloop.infra.evaluation.report import EvalReport
 
 
@@ -122,16 +123,16 @@ def _plot_categories(categories: Mapping[str, Mapping[str, Any]], path: Path) ->
     return _save(figure, path)
 
 
-def _plot_k_sweep(sweep: list[Mapping[str, Any]], path: Path) -> Path:
+def _plot_k_sweep(sweep: Sequence[KSweepEntry], path: Path) -> Path:
     """Predicted (simulator) against measured (engine) mean acceptance length per k."""
     plt = _pyplot()
-    ks = [int(entry["k"]) for entry in sweep]
+    ks = [entry.k for entry in sweep]
     figure, axis = plt.subplots(figsize=(5, 3.5))
-    for key, label in (
-        ("predicted_mean_acceptance_length", "predicted"),
-        ("measured_mean_acceptance_length", "measured"),
+    for label, values in (
+        ("predicted", [entry.predicted_mean_acceptance_length for entry in sweep]),
+        ("measured", [entry.measured_mean_acceptance_length for entry in sweep]),
     ):
-        points = [(k, entry[key]) for k, entry in zip(ks, sweep, strict=True) if entry.get(key) is not None]
+        points = [(k, value) for k, value in zip(ks, values, strict=True) if value is not None]
         if points:
             axis.plot([k for k, _ in points], [v for _, v in points], marker="o", label=label)
     axis.set_xlabel("speculative tokens k")

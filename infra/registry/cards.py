@@ -41,7 +41,7 @@ def target_label(target: str) -> str:
     return path.name if path.is_absolute() or path.exists() else target
 
 
-@dataclass
+@dataclass(frozen=True)
 class DrafterCard:
     """What the registry and the drafter's MLmodel say about it: where it serves and what it came from."""
 
@@ -83,7 +83,6 @@ def result_tags(results: CycleResults) -> dict[str, str]:
     if results.recommended_k is not None:
         tags["num_speculative_tokens"] = str(results.recommended_k)
     return tags
-
 
 
 def _speedup_phrase(results: CycleResults, concurrency: int = 1) -> str:
@@ -256,5 +255,3 @@ def leaderboard_markdown(client: MlflowClient, name: str) -> str:
         lines += ["", f"{len(versions) - _LEADERBOARD_ROWS} older versions are in the versions list."]
     lines += ["", "Rebuilt at every registration from the versions' tags."]
     return "\n".join(lines) + "\n"
-
-

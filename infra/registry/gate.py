@@ -1,7 +1,8 @@
-"""The gate: a cycle's results (one typed value), the current champion's figures, and whether a new version passes.
+"""The gate: whether a cycle's drafter may become the champion, from its results and the champion's figures.
 
-`evaluation.gate` in the config says what a drafter must reach; `evaluate_gate` applies it and says why
-(reasons when it fails, notes for the checks it skipped). Reasons are prose people read in the registry.
+`CycleResults` is the one typed value the gate and the registry's prose (cards.py) read; `evaluation.gate`
+in the config says what a drafter must reach; `evaluate_gate` applies it and says why (reasons when it
+fails, notes for the checks it skipped). The champion's figures are read back from its version's tags.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from draftloop.infra.runtime.config import GateConfig
 CHAMPION_ALIAS = "champion"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CycleResults:
-    """The figures the gate and the model-version description are made of."""
+    """The figures the gate and the model-version description are made of.
+
+    `to_dict` is its JSON shape (the evaluate manifest's summary, summary.json): concurrency keys become
+    strings; `from_dict` reads that shape back, so `from_dict(to_dict())` is the same value.
+    """
 
     acceptance_rate: float | None
     mean_acceptance_length: float | None
@@ -65,8 +70,10 @@ class CycleResults:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateDecision:
+    """The gate's answer for one version, with the reasons people read in the registry."""
+
     passed: bool
     reasons: list[str]  # why it failed (empty when passed)
     notes: list[str]  # checks that were skipped, with why
@@ -135,15 +142,15 @@ def evaluate_gate(
     return GateDecision(passed=not reasons, reasons=reasons, notes=notes)
 
 
-
 def tag_float(tags: Mapping[str, str], key: str) -> float | None:
+    """A figure stored as a version tag, as a number; None when absent or not a number."""
     try:
         return float(tags[key])
     except (KeyError, ValueError):
         return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChampionFigures:
     """The current champion as its tags tell it (what a challenger is compared with)."""
 
@@ -153,6 +160,7 @@ class ChampionFigures:
 
 
 def current_champion(client: MlflowClient, name: str) -> ChampionFigures | None:
+    """The version the `champion` alias points at, by its tags; None before the first champion."""
     try:
         version = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
     except MlflowException:
@@ -162,4 +170,3 @@ def current_champion(client: MlflowClient, name: str) -> ChampionFigures | None:
         mean_acceptance_length=tag_float(version.tags, "mean_acceptance_length"),
         speedup_c1=tag_float(version.tags, "speedup_c1"),
     )
-

@@ -1,4 +1,4 @@
-"""The drafter as an MLflow logged model, and its registered versions: log it, create a version, move `champion`.
+"""The drafter as an MLflow logged model and its registered versions: log it, make a version, move `champion`.
 
 A version that fails the gate is still registered (it is evidence), tagged `rejected` with the reasons;
 only a passing one gets the `champion` alias. The prose of the version and of the leaderboard is cards.py's.
@@ -94,12 +94,10 @@ def log_drafter_model(
     return client.finalize_logged_model(model.model_id, "READY"), command
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The registered model: versions, gate, leaderboard
-
-
-@dataclass
+@dataclass(frozen=True)
 class Registration:
+    """A registered version and what the gate decided for it (the register manifest's summary)."""
+
     name: str
     version: str
     champion: bool  # the `champion` alias now points at this version
@@ -119,7 +117,6 @@ class Registration:
             "verdict": self.verdict,
             "model_id": self.model_id,
         }
-
 
 
 def register_drafter(

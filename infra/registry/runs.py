@@ -1,4 +1,4 @@
-"""MLflow runs of one drafter cycle: a parent run per cycle, a nested run per stage, and the handle stages log through.
+"""MLflow runs of one drafter cycle: one parent run per cycle, one nested run per stage, their handle.
 
 Everything goes through `MlflowClient` with explicit run ids (never the fluent API's thread-local
 "active run"), because Prefect may call tasks from worker threads and a cycle must not depend on which
@@ -79,7 +79,6 @@ def flatten_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
-
 def is_finite(value: float) -> bool:
     """A number MLflow can store as a metric (no NaN, no infinity, no None)."""
     return isinstance(value, int | float) and math.isfinite(value)
@@ -90,7 +89,7 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageRun:
     """A nested MLflow run for one stage; the handle tasks log through."""
 
@@ -149,7 +148,6 @@ class StageRun:
         return uri
 
 
-
 class Tracker:
     """One parent run per cycle, one nested run per stage, all in the config's experiment."""
 
@@ -188,19 +186,18 @@ class Tracker:
         handle.log_params(params)
         return handle
 
-    def record_registration(self, registration: Mapping[str, Any]) -> None:
+    def record_registration(self, model: str, version: str, champion: bool) -> None:
         """The cycle run's registry columns (MLflow has no documented per-experiment default columns, so
         the runs list shows these next to `mean_acceptance_length`, `acceptance_rate`, `speedup_c1`):
         metric `gate_passed` (1/0), tags `gate` (champion/rejected) and `model_version`."""
         if self.parent_run_id is None:
             return
-        passed = bool(registration.get("champion"))
         self.client.log_batch(
             self.parent_run_id,
-            metrics=[Metric("gate_passed", 1.0 if passed else 0.0, now_ms(), 0)],
+            metrics=[Metric("gate_passed", 1.0 if champion else 0.0, now_ms(), 0)],
             tags=[
-                RunTag("gate", str(registration.get("alias_status"))),
-                RunTag("model_version", f"{registration.get('name')} v{registration.get('version')}"),
+                RunTag("gate", "champion" if champion else "rejected"),
+                RunTag("model_version", f"{model} v{version}"),
             ],
         )
 
@@ -246,4 +243,3 @@ def error_excerpt(error: BaseException, log_tail: str | None = None, limit: int 
     if tail:
         text += "\n--- log excerpt ---\n" + str(tail)[-limit:]
     return text[-(2 * limit) :]
-

@@ -5,10 +5,12 @@ schema (unknown fields are errors) and then checks the config against the world 
 created or loaded: the target's depth and hidden size come from its config.json (never its weights) or,
 for a zoo recipe not yet built, from the recipe; aux layer ids must fit that depth; a drafter to
 fine-tune must match the target's hidden size; the engine and its Python must exist; the storage root
-must be writable (local) or its bucket must exist (S3). Every failure is a `ConfigError(field, reason)`.
+must be writable (local) or its bucket must exist (S3); what the target can or cannot do, in seconds
+(infra/targets/support.py). Every failure is a `ConfigError(field, reason)`.
 
-Relative local paths are resolved against the working directory (or `base_dir`) at load time, so the
-loaded config means the same thing in every process (Ray workers, engine subprocesses).
+Relative local paths resolve at load time against the config file's folder (the repository for the
+configs it ships, which name repository paths), whatever the working directory (`base_dir` overrides; a
+dict resolves against the working directory), so the loaded config means the same in every process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,6 +41,7 @@ from draftloop.infra.engines.base import (
     is_loopback,
 )
 from draftloop.infra.targets import zoo
+from draftloop.infra.targets.support import TargetRefusedError, refuse_unsupported_target, target_model_config
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import LrSchedule, TrainConfig
@@ -163,10 +165,12 @@ class EngineConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     enforce_eager: bool = True
     max_model_len: int = Field(default=1024, ge=16)
+    max_num_seqs: int = Field(default=16, ge=1)  # requests a server runs at once
     startup_timeout_s: float = Field(default=600, gt=0)
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     num_gpus: float = Field(default=0, ge=0)
+    kv_cache_space_gib: int = Field(default=1, ge=1)  # on CPU (num_gpus 0): the KV cache's size
     # The address engine servers bind. Anything but loopback exposes the server to the network, so it
     # then requires `api_key` (clients send it as a bearer token; it is redacted from logs and MLflow).
     host: str = "127.0.0.1"
@@ -181,21 +185,13 @@ class EngineConfig(_Section):
             )
         return self
 
-    def settings(self) -> EngineSettings:
-        """This section as the engine modules take it."""
+    def settings(self, *, trust_remote_code: bool) -> EngineSettings:
+        """This section as the engine modules take it (the one place EngineSettings is built): every
+        field but k, which each speculative server gets on its own (`Speculation`), plus whether the
+        server runs the target folder's own code (target.trust_remote_code)."""
+        fields = self.model_dump(exclude={"num_speculative_tokens"})
         return EngineSettings(
-            kind=self.kind,
-            python=self.python,
-            num_speculative_tokens=self.num_speculative_tokens,
-            dtype=self.dtype,
-            enforce_eager=self.enforce_eager,
-            max_model_len=self.max_model_len,
-            startup_timeout_s=self.startup_timeout_s,
-            extra_args=tuple(self.extra_args),
-            env=dict(self.env),
-            num_gpus=self.num_gpus,
-            host=self.host,
-            api_key=self.api_key,
+            **{**fields, "extra_args": tuple(self.extra_args)}, trust_remote_code=trust_remote_code
         )
 
     @field_validator("kind")
@@ -314,7 +310,7 @@ class ExperimentConfig(_Section):
         return cls.from_dict(
             raw,
             overrides,
-            base_dir=base_dir,
+            base_dir=base_dir if base_dir is not None else config_base_dir(path),
             check_environment=check_environment,
             source=str(path),
         )
@@ -365,12 +361,21 @@ class ExperimentConfig(_Section):
     def validate_against_world(self, check_environment: bool = True) -> None:
         depth, hidden_size = self._target_shape()
         self._target_depth, self._target_hidden_size = depth, hidden_size
+        self._check_target_support(check_environment)
         self._check_aux_layer_ids(depth)
         self._check_drafter_init(hidden_size)
         self._check_prompts_source()
         if check_environment:
             self._check_engine_python()
             check_storage_root(self.storage.root, self.storage.s3_endpoint_url)
+
+    def _check_target_support(self, check_environment: bool) -> None:
+        """What the target can or cannot do, with the engine too when the environment is checked."""
+        engine = engine_class(self.engine.kind)(self.engine_settings()) if check_environment else None
+        try:
+            refuse_unsupported_target(self.target, engine, self.aux_layer_ids_internal)
+        except TargetRefusedError as error:
+            raise ConfigError(error.field, str(error)) from None
 
     def _target_shape(self) -> tuple[int, int]:
         folder = Path(self.target.path)
@@ -489,14 +494,12 @@ class ExperimentConfig(_Section):
     def engine_settings(self) -> EngineSettings:
         """The engine section as the engine modules take it, with the target's trust_remote_code (the
         server loads the target too)."""
-        return replace(self.engine.settings(), trust_remote_code=self.target.trust_remote_code)
+        return self.engine.settings(trust_remote_code=self.target.trust_remote_code)
 
     def target_family(self) -> TargetFamily:
-        """The target's family (kernels/families/), by the model_type of its config.json or zoo recipe."""
-        config_file = Path(self.target.path) / "config.json"
-        if config_file.is_file() or self.target.create is None:
-            return family_for_config(json.loads(config_file.read_text()))
-        return family_for_config({"model_type": zoo.RECIPES[self.target.create].model_type})
+        """The target's family (kernels/families/; "generic" when no module covers its model_type), from
+        its config.json or zoo recipe."""
+        return family_for_config(target_model_config(self.target.path, self.target.create))
 
     def aux_layer_ids_internal(self) -> LayerIds:
         """The aux layer ids in the internal layer_input convention (validated against the target)."""
@@ -524,6 +527,13 @@ class ExperimentConfig(_Section):
 
 def _is_uri(value: str) -> bool:
     return "://" in value
+
+
+def config_base_dir(path: str | Path) -> Path:
+    """What a config file's relative paths are relative to: the repository for the configs it ships
+    (configs/*.yaml name repository files such as .venvs/vllm), otherwise the file's own folder."""
+    repository, folder = Path(__file__).resolve().parents[2], Path(path).resolve().parent
+    return repository if folder == repository / "configs" else folder
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Secrets out of everything draftloop writes: MLflow params, tags, artifacts, Prefect parameters and logs.
 
-One rule set, applied where those are written (infra/registry/tracking.py, flows/cycle.py,
+One rule set, applied where those are written (infra/registry/runs.py, cards.py, models.py, flows/cycle.py,
 flows/train_and_eval.py):
 
 - a value whose key names a secret (`api_key`, `AWS_SECRET_ACCESS_KEY`, `HF_TOKEN`, `password`, ...) in a

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from draftloop.infra.runtime.ports import free_port
 from draftloop.infra.runtime.processes import is_alive, state_dir, stop_processes
 
 WORK_POOL = "draftloop"
@@ -72,13 +73,6 @@ def with_driver(database_url: str, driver: str) -> str:
 
 def services_dir(root: Path | None = None) -> Path:
     return state_dir(root) / "services"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def port_or_free(preferred: int | None, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:

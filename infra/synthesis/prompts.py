@@ -1,12 +1,14 @@
 """The prompt data users bring: `{id, prompt}` rows, ShareGPT `{conversations: [{from, value}]}` and
-OpenAI `{messages: [{role, content}]}`, as JSONL or parquet, local or on S3 (fsspec).
+OpenAI `{messages: [{role, content}]}`, as JSONL or parquet, local or on S3 (fsspec). Turns are read in
+either shape under either key (many exports put role/content turns under `conversations`).
 
 Every row is normalized to `{"id", "prompt", "messages"?, "category"?}`: `prompt` is the first user
 turn (what evaluation and the in-process backend answer), `messages` the whole conversation with roles
 `system | user | assistant` when it holds more than one user turn (system prompts and multi-turn rows
 are kept for the engine backend, which regenerates each assistant turn). A bad row is a user error
-named by file, line (parquet: row) and reason; `data.on_bad_row` decides whether it ends the read or
-is set aside (in `rejected.jsonl`), and too many set-aside rows still end it.
+named by file, line (parquet: row) and reason (a row in no known format: which one it looks like), and
+its `kind`, the stable category the manifest counts it under; `data.on_bad_row` decides whether it ends
+the read or is set aside (in `rejected.jsonl`), and too many set-aside rows still end it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ class DataError(ValueError):
 
 
 class _BadRow(ValueError):
-    """A row's shape is wrong; the reader adds the file and line."""
+    """A row's shape is wrong; the reader adds the file and line. `kind`: the category it is counted
+    under (a reason's text varies with the row, its kind does not)."""
+
+    def __init__(self, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
 
 
 @dataclass
@@ -143,14 +150,14 @@ def _file_rows(uri: str, options: StorageOptions | None) -> Iterator[tuple[str, 
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
-            yield where, _BadRow(f"invalid UTF-8 at column {error.start + 1}")
+            yield where, _BadRow(f"invalid UTF-8 at column {error.start + 1}", "invalid UTF-8")
             continue
         if not text.strip():
             continue
         try:
             yield where, json.loads(text)
         except json.JSONDecodeError as error:
-            yield where, _BadRow(f"invalid JSON: {error.msg} (column {error.colno})")
+            yield where, _BadRow(f"invalid JSON: {error.msg} (column {error.colno})", "invalid JSON")
 
 
 def detect_format(row: Any) -> str | None:
@@ -164,60 +171,106 @@ def detect_format(row: Any) -> str | None:
 
 def _text(row: dict[str, Any], key: str, what: str) -> str:
     if key not in row:
-        raise _BadRow(f"missing '{key}'{what}")
+        raise _BadRow(f"missing '{key}'{what}", f"missing '{key}'")
     value = row[key]
     if value is None:
-        raise _BadRow(f"'{key}' is null{what}")
+        raise _BadRow(f"'{key}' is null{what}", f"missing '{key}'")
     if not isinstance(value, str):
-        raise _BadRow(f"'{key}' must be a string, got {type(value).__name__}{what}")
+        raise _BadRow(f"'{key}' must be a string, got {type(value).__name__}{what}", f"'{key}' not a string")
     if not value.strip():
-        raise _BadRow(f"'{key}' is empty{what}")
+        raise _BadRow(f"'{key}' is empty{what}", f"empty '{key}'")
     return value
 
 
+# The two shapes of a turn: (role key, text key, role names).
+_TURN_SHAPES = {"sharegpt": ("from", "value", _SHAREGPT_ROLES), "openai": ("role", "content", _OPENAI_ROLES)}
+
+
+def _turn_shape(turn: dict[str, Any], data_format: str) -> tuple[str, str, dict[str, str]]:
+    """A turn's shape from its own keys (the format's shape when it names neither's)."""
+    for shape, (role_key, text_key, _) in _TURN_SHAPES.items():
+        if role_key in turn or text_key in turn:
+            return _TURN_SHAPES[shape]
+    return _TURN_SHAPES["openai" if data_format == "openai" else "sharegpt"]
+
+
 def _turns(row: dict[str, Any], data_format: str) -> list[dict[str, str]]:
-    list_key, role_key, text_key, roles = (
-        ("messages", "role", "content", _OPENAI_ROLES)
-        if data_format == "openai"
-        else ("conversations", "from", "value", _SHAREGPT_ROLES)
-    )
+    """A row's turns, under the format's own key (or, missing that, the other format's), each turn
+    {from, value} or {role, content}."""
+    own, other = ("messages", "conversations") if data_format == "openai" else ("conversations", "messages")
+    list_key = other if own not in row and other in row else own
     turns = row.get(list_key)
     if not isinstance(turns, list) or not turns:
         got = "missing" if list_key not in row else "null" if turns is None else "empty or not a list"
-        raise _BadRow(f"'{list_key}' is {got} ({data_format} format: a list of turns)")
+        raise _BadRow(f"'{list_key}' is {got} ({data_format} format: a list of turns)", "no turns")
     messages: list[dict[str, str]] = []
     for index, turn in enumerate(turns, start=1):
         what = f" in turn {index}"
         if not isinstance(turn, dict):
-            raise _BadRow(f"turn {index} is not an object")
+            raise _BadRow(f"turn {index} is not an object", "bad turn")
+        role_key, text_key, roles = _turn_shape(turn, data_format)
         role = _text(turn, role_key, what)
         if role.lower() not in roles:
-            raise _BadRow(f"unknown role {role!r}{what} (known: {', '.join(sorted(roles))})")
+            known = ", ".join(sorted(roles))
+            raise _BadRow(f"unknown role {role!r}{what} (known: {known})", "unknown role")
         messages.append({"role": roles[role.lower()], "content": _text(turn, text_key, what)})
     if not any(m["role"] == "user" for m in messages):
-        raise _BadRow("conversation has no user turn")
+        raise _BadRow("conversation has no user turn", "no user turn")
     return messages
+
+
+# Row shapes of other corpora, by a field they carry: what a row that matches no format looks like.
+_LOOKS_LIKE = (
+    ("instruction", "an Alpaca-style {instruction, input, output} row: put the instruction in 'prompt'"),
+    ("question", "a question-answer row: put the question in 'prompt'"),
+    ("chosen", "a preference pair {chosen, rejected}: give its conversation as 'messages'"),
+    ("text", "a plain-text corpus row {text}: draftloop needs prompts ('prompt') or turns ('messages')"),
+    ("input", "an {input, output} row: put the input in 'prompt'"),
+    ("query", "a query row: put the query in 'prompt'"),
+)
+_TURN_LIST_KEYS = ("conversation", "dialog", "dialogue", "turns", "chat", "history")
+
+
+def _no_format(row: Any) -> _BadRow:
+    """Why a row matches no format, and which one it looks like (from the fields it has)."""
+    reason = "row has no 'prompt', 'messages' or 'conversations' field"
+    if not isinstance(row, dict):
+        return _BadRow(reason, "unknown format")
+    hint = next((text for key, text in _LOOKS_LIKE if key in row), None)
+    turn_key = next((key for key in _TURN_LIST_KEYS if isinstance(row.get(key), list)), None)
+    if turn_key is not None:
+        hint = f"its turns are under '{turn_key}': name that field 'messages' (or 'conversations')"
+    fields = ", ".join(sorted(map(str, row))) or "none"
+    shown = f"{reason}; it looks like {hint}" if hint else f"{reason} (its fields: {fields})"
+    return _BadRow(shown, "unknown format")
+
+
+def _looks_like(row: dict[str, Any]) -> str:
+    """ "; it looks like ..." for a row of another corpus's shape, else nothing."""
+    hint = next((text for key, text in _LOOKS_LIKE if key in row), None)
+    return f"; it looks like {hint}" if hint else ""
 
 
 def normalize_row(row: Any, data_format: str, default_id: str) -> dict[str, Any]:
     """One input row as `{"id", "prompt", "messages"?, "category"?}`; raises `_BadRow` with the reason."""
     if not isinstance(row, dict):
-        raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+        raise _BadRow(f"expected a JSON object, got {type(row).__name__}", "not an object")
     if "id" in row:
         row_id = row["id"]
         if row_id is None or isinstance(row_id, bool) or not isinstance(row_id, str | int):
-            raise _BadRow("'id' must be a string or an integer")
+            raise _BadRow("'id' must be a string or an integer", "bad id")
         if not str(row_id).strip():
-            raise _BadRow("'id' is empty")
+            raise _BadRow("'id' is empty", "bad id")
         row_id = str(row_id)
     else:
         row_id = default_id
     category = row.get("category")
     if category is not None and not isinstance(category, str):
-        raise _BadRow("'category' must be a string when given")
+        raise _BadRow("'category' must be a string when given", "bad category")
     normalized: dict[str, Any] = {"id": row_id}
     if data_format == "prompt":
-        normalized["prompt"] = _text(row, "prompt", " (prompt format)")
+        hint = "" if "prompt" in row else _looks_like(row)
+        normalized["prompt"] = _text(row, "prompt", " (prompt format)" + hint)
     else:
         messages = _turns(row, data_format)
         normalized["prompt"] = next(m["content"] for m in messages if m["role"] == "user")
@@ -253,18 +306,21 @@ def read_input(
                 if file_format is None:
                     file_format = detect_format(row)
                     if file_format is None:
-                        raise _BadRow("row has no 'prompt', 'messages' or 'conversations' field")
+                        raise _no_format(row)
                     data.formats[uri] = file_format
                 normalized = normalize_row(row, file_format, f"{stem}-{where.split()[-1]}")
                 if normalized["id"] in first_seen:
                     raise _BadRow(
-                        f"duplicate id {normalized['id']!r} (first at {first_seen[normalized['id']]})"
+                        f"duplicate id {normalized['id']!r} (first at {first_seen[normalized['id']]})",
+                        "duplicate id",
                     )
             except _BadRow as bad:
                 if on_bad_row == "fail":
                     raise DataError(uri, where, str(bad)) from None
                 row_id = row.get("id") if isinstance(row, dict) else None
-                data.rejected.append({"id": row_id, "source": uri, "where": where, "reason": str(bad)})
+                data.rejected.append(
+                    {"id": row_id, "source": uri, "where": where, "reason": str(bad), "kind": bad.kind}
+                )
                 continue
             first_seen[normalized["id"]] = f"{uri}:{where}"
             if data_format != "auto":

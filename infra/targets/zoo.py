@@ -60,18 +60,42 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from .recipes import (
+    _COMMON_FIELDS,
+    EOS_TOKEN,
+    EOS_TOKEN_ID,
+    PAD_TOKEN,
+    PAD_TOKEN_ID,
+    RECIPES,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    Recipe,
+    UnknownRecipeError,
+    get_recipe,
+)
+
+__all__ = [
+    "EOS_TOKEN_ID",
+    "PAD_TOKEN_ID",
+    "RECIPES",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "Recipe",
+    "UnknownRecipeError",
+    "build_tokenizer",
+    "create_tiny_model",
+    "ensure_model",
+    "get_recipe",
+    "zoo_marker",
+]
 
 # Training a tokenizer starts the library's thread pool; processes that fork afterwards (Ray, vLLM)
 # would otherwise print a warning and disable it themselves.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-VOCAB_SIZE = 2048
-SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|end|>"
-PAD_TOKEN_ID, EOS_TOKEN_ID = 0, 1
 
 # Jinja chat template: one role marker token per message, <|end|> closes every message.
 CHAT_TEMPLATE = (
@@ -101,141 +125,6 @@ THINKING_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n<think>\\n' }}{% endif %}"
 )
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to build one tiny target: its HF config (without weights) and its weight reshaping."""
-
-    name: str
-    model_type: str
-    config_fields: dict[str, Any]
-    # Standard deviation of the token embedding (the default init would be initializer_range, 0.02):
-    # a large embedding keeps the current token dominant in the residual stream (see module doc).
-    embedding_std: float
-    # Multiplier on every decoder-layer output projection: the context-dependent share of the stream.
-    layer_output_scale: float
-    # Standard deviation of the untied output head: sets how peaked the next-token distribution is.
-    lm_head_std: float
-    # Size of the per-layer marker in reserved hidden dimensions (0: none); see _add_layer_markers.
-    layer_marker_scale: float = 0.0
-    # Decisive next-token rule (see _add_token_code_rule): the relative positions (0 = the current
-    # token, d > 0 = d tokens back) whose token codes decide the next token, and how many of its code
-    # bits each supplies. Empty: the output head is the random one.
-    code_rule_offsets: tuple[int, ...] = ()
-    code_rule_bits: tuple[int, ...] = ()
-    # A thinking target: <think> and </think> are special tokens and the chat template opens a thinking
-    # block (THINKING_CHAT_TEMPLATE), so a server's reasoning parser (deepseek_r1) splits its answers.
-    thinking: bool = False
-
-    def hf_config(self) -> Any:
-        """The transformers config this recipe builds (cheap: no weights are created)."""
-        from transformers import AutoConfig
-
-        return AutoConfig.for_model(self.model_type, **self.config_fields)
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return int(self.config_fields["num_hidden_layers"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config_fields["hidden_size"])
-
-
-_COMMON_FIELDS: dict[str, Any] = {
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "pad_token_id": PAD_TOKEN_ID,
-    "bos_token_id": None,
-    "eos_token_id": EOS_TOKEN_ID,
-    "initializer_range": 0.02,
-    "torch_dtype": "float32",
-    "use_cache": True,
-}
-
-_TINY_LLAMA = Recipe(
-    name="tiny-llama",
-    model_type="llama",
-    config_fields={
-        **_COMMON_FIELDS,
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    },
-    embedding_std=1.0,
-    layer_output_scale=2.0,
-    lm_head_std=0.5,
-    layer_marker_scale=20.0,
-)
-
-RECIPES: dict[str, Recipe] = {
-    "tiny-llama": _TINY_LLAMA,
-    # tiny-llama as a thinking model: same weights recipe, a chat template with a thinking block.
-    "tiny-llama-think": replace(_TINY_LLAMA, name="tiny-llama-think", thinking=True),
-    # DeepSeek-V3 shape (the Kimi-K2 / K2.5 family): MLA attention and a sigmoid-routed MoE.
-    # vLLM's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576, and "noaux_tc" routing
-    # so that it has a parameter for the router's e_score_correction_bias.
-    "tiny-deepseek": Recipe(
-        name="tiny-deepseek",
-        model_type="deepseek_v3",
-        config_fields={
-            **_COMMON_FIELDS,
-            "architectures": ["DeepseekV3ForCausalLM"],
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "moe_intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "first_k_dense_replace": 1,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 128,
-            "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64,
-            "qk_nope_head_dim": 64,
-            "v_head_dim": 64,
-            "n_routed_experts": 8,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 1.0,
-            "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid",
-            "num_nextn_predict_layers": 0,
-            "rope_interleave": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        embedding_std=1.0,
-        layer_output_scale=2.0,
-        lm_head_std=0.5,
-        layer_marker_scale=28.0,
-        code_rule_offsets=(0, 5, 9),
-        code_rule_bits=(4, 3, 3),
-    ),
-}
-
-
-class UnknownRecipeError(ValueError):
-    """The recipe name is not in RECIPES."""
-
-
-def get_recipe(name: str) -> Recipe:
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise UnknownRecipeError(
-            f"unknown zoo recipe {name!r}; known: {', '.join(sorted(RECIPES))}"
-        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +228,7 @@ def _reshape_weights(model: Any, recipe: Recipe, generator: Any) -> None:
         lm_head[: len(SPECIAL_TOKENS)] = 0.0
         if recipe.layer_output_scale != 1.0:
             for name, param in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")):
+                if name.endswith(recipe.scaled_writers):
                     param.mul_(recipe.layer_output_scale)
         if recipe.layer_marker_scale:
             _add_layer_markers(model, recipe.layer_marker_scale, code_dims)

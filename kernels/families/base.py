@@ -10,6 +10,15 @@ A family names the Hugging Face `model_type`s it covers and says
 
 Adding a family = one module in kernels/families/ that calls `register_family(...)` at import; the
 registry imports every module of this package on first lookup.
+
+A model_type no module registers goes through the generic decoder-only path (`GENERIC`, the Llama-like
+defaults below) when its config has what that path assumes (`generic_refusal` says what it lacks):
+a causal LM (`architectures` ending in ForCausalLM), not encoder-decoder, not wrapped (decoder fields at
+the top, not only under `text_config`), not multi-head latent attention (no `kv_lora_rank`), and the
+shape fields the drafter is built from. The module layout is checked on the model itself
+(`TargetFamily.check_structure`: decoder layers, final norm, embeddings and head found, of the config's
+depth and sizes), on the meta device before a run (infra/targets/support.py). A family module is for
+what differs: MLA drafters, wrappers, engine patches, default layer ids.
 """
 
 from __future__ import annotations
@@ -26,12 +35,14 @@ from torch import nn
 from ..layer_ids import LayerIds
 
 __all__ = [
+    "GENERIC",
     "DrafterAttention",
     "FamilyRegistrationError",
     "TargetFamily",
     "UnknownFamilyError",
     "config_value",
     "family_for_config",
+    "generic_refusal",
     "get_family",
     "known_families",
     "language_model_config",
@@ -111,10 +122,38 @@ class TargetFamily:
     def final_norm(self, model: nn.Module) -> nn.Module:
         """The norm after the last layer (its output times lm_head = the logits)."""
         decoder = self.decoder(model)
-        norm = getattr(decoder, "norm", None) or getattr(decoder, "final_layernorm", None)
-        if not isinstance(norm, nn.Module):
-            raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-        return norm
+        for name in _FINAL_NORM_NAMES:
+            norm = getattr(decoder, name, None)
+            if isinstance(norm, nn.Module):
+                return norm
+        raise ValueError(
+            f"cannot find the final norm of {type(model).__name__} "
+            f"(none of {', '.join('.' + name for name in _FINAL_NORM_NAMES)} on its decoder)"
+        )
+
+    def check_structure(self, model: nn.Module) -> None:
+        """Raise ValueError naming what capture, training or serving would not find in `model` (works on
+        the meta device: only modules and shapes are read): the decoder layers, as many as the config's
+        `num_hidden_layers`; the final norm; the input embeddings and the output head, [vocab, hidden]."""
+        config = language_model_config(getattr(model, "config", {}))
+        kind = type(model).__name__
+        layers = self.decoder_layers(model)
+        depth = int(config_value(config, "num_hidden_layers"))
+        if len(layers) != depth:
+            raise ValueError(f"{kind} has {len(layers)} decoder layers, its config says {depth}")
+        self.final_norm(model)
+        shape = (int(config_value(config, "vocab_size")), int(config_value(config, "hidden_size")))
+        for what, module in (
+            ("input embeddings", model.get_input_embeddings()),  # type: ignore[operator]
+            ("output head", model.get_output_embeddings()),  # type: ignore[operator]
+        ):
+            weight = getattr(module, "weight", None)
+            if weight is None:
+                raise ValueError(f"cannot find the {what} of {kind}")
+            if tuple(weight.shape) != shape:
+                raise ValueError(
+                    f"{kind}'s {what} are {tuple(weight.shape)}, expected [vocab, hidden] = {shape}"
+                )
 
     def default_aux_layer_ids(self, depth: int) -> LayerIds:
         """The target layers a drafter fuses when the config names none (layer_input convention)."""
@@ -131,6 +170,22 @@ class TargetFamily:
             "head_dim": int(config_value(config, "head_dim", hidden // heads)),
         }
 
+
+# Where decoders keep their final norm: Llama-like, Phi/StableLM-like, GPT-NeoX-like.
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm")
+
+# The generic decoder-only path: the family of every model_type no module registers whose config fits
+# (`generic_refusal`); never registered, so it claims no model_type.
+GENERIC = TargetFamily(name="generic", model_types=())
+
+# The config fields the generic path builds the drafter from.
+_GENERIC_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 _FAMILIES: dict[str, TargetFamily] = {}
 _BY_MODEL_TYPE: dict[str, TargetFamily] = {}
@@ -180,19 +235,50 @@ def _known() -> str:
 def get_family(name: str) -> TargetFamily:
     """The family registered as `name`."""
     _discover()
+    if name == GENERIC.name:
+        return GENERIC
     if name not in _FAMILIES:
         raise UnknownFamilyError(f"unknown target family {name!r}; known families: {_known()}")
     return _FAMILIES[name]
 
 
+def generic_refusal(config: Any) -> str | None:
+    """Why the generic decoder-only path cannot take a target with this config (object or mapping), or
+    None when it can: what it assumes is in the module docstring."""
+    inner = language_model_config(config)
+    if inner is not config and not (isinstance(config, Mapping) and inner == dict(config)):
+        return (
+            "its decoder is wrapped (fields under text_config): a family module says how to reach it "
+            "(kernels/families/deepseek.py does for Kimi-K2.5)"
+        )
+    if config_value(inner, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets"
+    if config_value(inner, "kv_lora_rank", None) is not None:
+        return (
+            "it uses multi-head latent attention (kv_lora_rank): its drafter must use MLA too, which a "
+            'family module declares (drafter_attention="mla", as kernels/families/deepseek.py)'
+        )
+    missing = [name for name in _GENERIC_FIELDS if config_value(inner, name, None) is None]
+    if missing:
+        return f"its config has no {', '.join(missing)}"
+    architectures = list(config_value(inner, "architectures", None) or [])
+    if architectures and not any(str(name).endswith("ForCausalLM") for name in architectures):
+        return f"its architectures {architectures} name no causal LM (a class ending in ForCausalLM)"
+    return None
+
+
 def family_for_config(config: Any) -> TargetFamily:
-    """The family of a model config (a transformers config or its dict), by its model_type."""
+    """The family of a model config (a transformers config or its dict), by its model_type: a registered
+    family, else the generic decoder-only path when the config fits it (`generic_refusal`)."""
     _discover()
     model_type = config_value(language_model_config(config), "model_type", None)
     family = _BY_MODEL_TYPE.get(str(model_type)) if model_type else None
-    if family is None:
-        raise UnknownFamilyError(
-            f"no target family for model_type {model_type!r}; known families: {_known()} "
-            "(adding one = a module in kernels/families/)"
-        )
-    return family
+    if family is not None:
+        return family
+    refusal = generic_refusal(config) if model_type else "its config names no model_type"
+    if refusal is None:
+        return GENERIC
+    raise UnknownFamilyError(
+        f"no target family for model_type {model_type!r}, and the generic decoder-only path does not fit "
+        f"it: {refusal}; known families: {_known()} (adding one = a module in kernels/families/)"
+    )

@@ -1,0 +1,149 @@
+"""Measure: every server of an evaluation plan over HTTP, and the simulator on the same prompts.
+
+In order: the baseline server (no drafter), unless a baseline measured before is given; for a k sweep,
+the prediction (the simulator at the largest k along the baseline's output, the text a lossless
+speculative server produces); one speculative server per k; then the simulator at the engine's k in the
+engine's numeric mode, replaying the speculative server's own output where the engine returns its token
+ids (simulator.py). Nothing here judges: judge.py does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftloop.infra.engines.base import Engine, EngineConfigError, EngineError, Speculation, read_json
+from draftloop.infra.engines.server import StartServer
+from draftloop.infra.evaluation.benchmark import ServerRun, benchmark_server
+from draftloop.infra.evaluation.plan import EvaluationPlan
+from draftloop.infra.evaluation.simulator import (
+    NumericMode,
+    SimulatorFigures,
+    encode_prompts,
+    engine_numeric_mode,
+    mode_mismatch,
+    run_simulator,
+    simulator_numeric_mode,
+)
+from draftloop.infra.evaluation.verdict import exported_layer_id_mismatch
+from draftloop.kernels.families.base import family_for_config
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the servers and the simulator measured for one plan."""
+
+    baseline: ServerRun
+    runs: dict[int, ServerRun]  # per k served (the plan's ks)
+    # At the engine's k, along the speculative server's output (or the figures given, measured before).
+    simulator: SimulatorFigures | None
+    prediction: SimulatorFigures | None  # at the sweep's largest k (None without a sweep beyond k)
+    engine_mode: NumericMode
+    simulator_mode: NumericMode
+    mode_mismatch: str | None  # what the simulator run here does not reproduce of the engine's mode
+    layer_id_mismatch: str | None  # the engine reads other layer ids than the drafter was trained on
+
+
+def measure_server(
+    start: StartServer,
+    name: str,
+    speculation: Speculation | None,
+    engine: Engine,
+    prompt_ids: Sequence[Sequence[int]],
+    plan: EvaluationPlan,
+) -> ServerRun:
+    """Start one server, smoke-test it, benchmark it at every concurrency of the plan, stop it."""
+    with start(name, speculation) as server:
+        smoke = server.smoke_test() if hasattr(server, "smoke_test") else None
+        return benchmark_server(
+            server,
+            engine,
+            prompt_ids,
+            plan.concurrency,
+            plan.benchmark,
+            name=name,
+            num_speculative_tokens=speculation.num_speculative_tokens if speculation is not None else None,
+            smoke_content=getattr(smoke, "content", None),
+        )
+
+
+def _replayable(run: ServerRun, num_prompts: int) -> list[list[int]] | None:
+    """The server's output token ids for every prompt (what the simulator replays), else None."""
+    follow = run.output_token_ids
+    return follow if len(follow) == num_prompts and all(follow) else None
+
+
+def measure(
+    engine: Engine,
+    plan: EvaluationPlan,
+    target_dir: Path,
+    drafter_dir: Path,
+    prompts: Sequence[str],
+    start: StartServer,
+    *,
+    baseline: ServerRun | None,
+    simulator: SimulatorFigures | None,
+) -> Measurements:
+    """Measure the plan's servers on `prompts` (see the module's docstring). `simulator`: figures
+    measured before on the same prompts (k, max_tokens), kept as given; None runs the simulator here."""
+    prompt_ids = encode_prompts(target_dir, prompts, trust_remote_code=plan.trust_remote_code)
+    k, ks = plan.num_speculative_tokens, plan.ks
+    if baseline is None:
+        baseline = measure_server(start, "baseline", None, engine, prompt_ids, plan)
+    attention = family_for_config(read_json(target_dir / "config.json")).drafter_attention
+    engine_mode = engine_numeric_mode(engine.settings, target_dir, attention)
+    simulator_mode = simulator_numeric_mode(engine_mode, attention)
+    prediction: SimulatorFigures | None = None
+    if simulator is None and max(ks) > k:
+        # One simulation at the largest k predicts every smaller k (judge.predicted_acceptance_length).
+        prediction = run_simulator(
+            target_dir, drafter_dir, prompts, max(ks), plan.max_tokens, mode=simulator_mode,
+            follow_token_ids=_replayable(baseline, len(prompts)), engine_outputs=baseline.outputs,
+            trust_remote_code=plan.trust_remote_code,
+        )  # fmt: skip
+
+    layer_id_mismatch = exported_layer_id_mismatch(engine, drafter_dir)
+    runs: dict[int, ServerRun] = {}
+    for value in ks:
+        speculation = Speculation(drafter_dir, value)
+        try:
+            runs[value] = measure_server(
+                start, plan.server_name(value), speculation, engine, prompt_ids, plan
+            )
+        except EngineError as error:
+            if layer_id_mismatch is None:
+                raise
+            # The engine could not run the drafter with the ids it was given (vLLM's DeepSeek-V2 model
+            # has no residual to capture before layer 0): the export is the cause, so say that first.
+            raise EngineConfigError(
+                str(drafter_dir / "config.json"),
+                f"integration fault: {layer_id_mismatch}; the speculative server failed with them: {error}",
+            ) from error
+
+    mismatch: str | None = None
+    if simulator is None:
+        mismatch = mode_mismatch(engine_mode, simulator_mode)
+        # Replay needs the engine's output token ids for every prompt; else the simulator runs free.
+        speculative = runs[k]
+        simulator = run_simulator(
+            target_dir,
+            drafter_dir,
+            prompts,
+            k,
+            plan.max_tokens,
+            mode=simulator_mode,
+            follow_token_ids=_replayable(speculative, len(prompts)),
+            engine_outputs=speculative.outputs,
+            trust_remote_code=plan.trust_remote_code,
+        )
+    return Measurements(
+        baseline=baseline,
+        runs=runs,
+        simulator=simulator,
+        prediction=prediction,
+        engine_mode=engine_mode,
+        simulator_mode=simulator_mode,
+        mode_mismatch=mismatch,
+        layer_id_mismatch=layer_id_mismatch,
+    )

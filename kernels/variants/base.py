@@ -1,0 +1,154 @@
+"""Drafter variants: what one kind of EAGLE-3-style drafter adds to the shared layer, in one object.
+
+Every drafter is the layer of kernels/drafter.py (fc fusing the aux states, one decoder layer, norm,
+lm_head). A variant says what differs:
+
+- its config fields (`options`: names and defaults), recorded in `DrafterConfig.variant_options`;
+- its extra modules (`add_modules`; their weights are saved and loaded with the rest);
+- how the aux states are fused (`fuse`), what the layer's residual is (`residual`) and which hidden
+  state a pass hands on to the next draft step and to the logits (`output_hidden`);
+- what it writes into exported configs (`native_fields`, `speculators_fields`) and which published
+  speculators eagle3 configs it reads (`options_from_speculators`).
+
+The methods are plain EAGLE-3's behaviour; a variant overrides what differs (subclass and register an
+instance). Adding one = one module in kernels/variants/ that calls `register_variant(...)` at import;
+the registry imports every module of this package on first lookup. A config naming no registered
+variant, or a published config whose variant fields no variant reads, is refused here, naming them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..drafter import DrafterConfig, Eagle3Drafter
+
+__all__ = [
+    "SPECULATORS_VARIANT_FIELDS",
+    "DrafterVariant",
+    "UnsupportedVariantError",
+    "VariantRegistrationError",
+    "get_variant",
+    "known_variants",
+    "register_variant",
+    "variant_for_speculators",
+]
+
+# The fields by which speculators' eagle3 format names its layer variant (all false: plain EAGLE-3).
+SPECULATORS_VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class VariantRegistrationError(ValueError):
+    """A variant whose name another registered variant already has."""
+
+
+class UnsupportedVariantError(ValueError):
+    """No registered variant of that name, fields or published config; the message names them."""
+
+
+@dataclass(frozen=True)
+class DrafterVariant:
+    """One kind of drafter. The methods are plain EAGLE-3's; a variant overrides what differs."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)  # its config fields and their defaults
+
+    def resolve_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """``given`` completed with the defaults; a field this variant does not have is refused."""
+        unknown = sorted(set(given) - set(self.options))
+        if unknown:
+            raise UnsupportedVariantError(
+                f"drafter variant {self.name!r} has no field(s) {unknown}; "
+                f"its fields: {sorted(self.options) or 'none'}"
+            )
+        return {**self.options, **given}
+
+    def add_modules(self, drafter: Eagle3Drafter, config: DrafterConfig) -> None:
+        """Register the variant's own modules on ``drafter`` (after the shared ones; EAGLE-3 has none)."""
+
+    def fuse(self, drafter: Eagle3Drafter, aux_hidden: Tensor) -> Tensor:
+        """[B, T, n*Ht] target aux hidden states -> [B, T, H] (vLLM's combine_hidden_states)."""
+        return drafter.fc(aux_hidden.to(drafter.fc.weight.dtype))
+
+    def residual(self, drafter: Eagle3Drafter, hidden: Tensor, normed_hidden: Tensor) -> Tensor:
+        """The layer's residual stream: the raw incoming hidden state (vLLM's default)."""
+        return hidden
+
+    def output_hidden(self, drafter: Eagle3Drafter, prenorm: Tensor) -> Tensor:
+        """What a pass hands on (the next step's hidden, and what `logits` reads): the prenorm state."""
+        return prenorm
+
+    def native_fields(self, config: DrafterConfig) -> dict[str, Any]:
+        """Keys the variant adds to the engines' native config.json (EAGLE-3: none)."""
+        return {}
+
+    def speculators_fields(self, config: DrafterConfig) -> dict[str, Any]:
+        """The speculators eagle3 variant fields (explicit: vLLM's reader defaults one of them to true)."""
+        return dict.fromkeys(SPECULATORS_VARIANT_FIELDS, False)
+
+    def options_from_speculators(self, data: Mapping[str, Any]) -> dict[str, Any] | None:
+        """This variant's options for a published speculators eagle3 config, or None when it does not
+        compute what that config describes (EAGLE-3: every variant field false or absent)."""
+        return {} if not any(data.get(name) for name in SPECULATORS_VARIANT_FIELDS) else None
+
+
+_VARIANTS: dict[str, DrafterVariant] = {}
+_discovered = False
+
+
+def register_variant(variant: DrafterVariant) -> DrafterVariant:
+    """Make ``variant`` known; a name that is taken already is refused."""
+    if variant.name in _VARIANTS:
+        raise VariantRegistrationError(f"drafter variant {variant.name!r} is registered twice")
+    _VARIANTS[variant.name] = variant
+    return variant
+
+
+def _discover() -> None:
+    """Import every module of this package once: each registers its variant."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = __name__.rsplit(".", 1)[0]
+    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        if module.name != "base":
+            importlib.import_module(f"{package}.{module.name}")
+
+
+def known_variants() -> list[DrafterVariant]:
+    """Every registered variant, by name."""
+    _discover()
+    return [_VARIANTS[name] for name in sorted(_VARIANTS)]
+
+
+def get_variant(name: str) -> DrafterVariant:
+    """The variant registered as ``name``."""
+    _discover()
+    if name not in _VARIANTS:
+        raise UnsupportedVariantError(
+            f"unknown drafter variant {name!r}; known variants: {', '.join(sorted(_VARIANTS))} "
+            "(adding one = a module in kernels/variants/)"
+        )
+    return _VARIANTS[name]
+
+
+def variant_for_speculators(data: Mapping[str, Any]) -> tuple[DrafterVariant, dict[str, Any]]:
+    """(variant, its options) that computes the drafter a published speculators eagle3 config describes;
+    refused, naming the config's variant fields, when no registered variant does."""
+    for variant in known_variants():
+        options = variant.options_from_speculators(data)
+        if options is not None:
+            return variant, options
+    named = {name: data[name] for name in SPECULATORS_VARIANT_FIELDS if data.get(name)}
+    raise UnsupportedVariantError(
+        f"speculators eagle3 variant {named} is not supported: no drafter variant computes it "
+        f"(known variants: {', '.join(v.name for v in known_variants())}; adding one = a module in "
+        "kernels/variants/)"
+    )
