@@ -33,8 +33,9 @@ import torch
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.objective import ttt_loss
 from draftloop.kernels.shards import shard_chunks
-from draftloop.kernels.train import TrainConfig, make_optimizer, ttt_loss
+from draftloop.kernels.train import TrainConfig, make_optimizer
 
 RESULTS: dict[str, Any] = {}
 

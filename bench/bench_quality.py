@@ -159,16 +159,15 @@ def training_samples(config: Any, hidden: Any) -> Any:
 def train_draftloop(config: Any, hidden: Any, folder: Path) -> tuple[Path, dict[str, Any], Any]:
     """(exported drafter folder, its result.json, the TrainConfig): the train stage's worker body."""
     from draftloop.infra.training.worker import train_worker
-    from draftloop.kernels.train import TrainConfig
     from draftloop.tasks.train import loop_config
 
     shutil.rmtree(folder, ignore_errors=True)  # a checkpoint left there would be resumed
-    loop = loop_config(config, hidden, folder)
+    job = loop_config(config, hidden, folder)
     reports: list[dict[str, Any]] = []
-    train_worker(loop, rank=0, world=1, device="cpu", report=reports.append)
+    train_worker(job, rank=0, world=1, device="cpu", report=reports.append)
     final = folder / "final"
     result = json.loads((final / "result.json").read_text())
-    return final / "drafter", result, TrainConfig(**loop["train_config"])
+    return final / "drafter", result, job.train
 
 
 # ---------------------------------------------------------------------------------------------- speculators
@@ -352,7 +351,8 @@ def conversion_check(
     """Per sample and TTT step: the peer's own logits (its forward on its shifted row) against the
     converted drafter's (draftloop's ttt_loss on the unshifted sample; anchor t of both predicts the same
     token). Also the peer's targets against the target's own logits."""
-    from draftloop.kernels.train import collate_samples, ttt_loss
+    from draftloop.kernels.objective import ttt_loss
+    from draftloop.kernels.packing import collate_samples
 
     hidden_size, num_aux = int(model.hidden_size), len(model.config.eagle_aux_hidden_state_layer_ids)
     max_length = cfg.max_length or 1 << 30
@@ -418,10 +418,9 @@ def simulate(
 
 def train_settings(config: Any, hidden: Any) -> Any:
     """The TrainConfig the train stage builds from ``config`` (what both trainers are given)."""
-    from draftloop.kernels.train import TrainConfig
     from draftloop.tasks.train import loop_config
 
-    return TrainConfig(**loop_config(config, hidden, Path("unused"))["train_config"])
+    return loop_config(config, hidden, Path("unused")).train
 
 
 DRAFTLOOP_OPTIONS = ("train_lm_head", "adam_betas", "lr_schedule", "init_norm_from_target")
@@ -470,7 +469,7 @@ def peer_side(
     cfg: Any,
 ) -> dict[str, Any]:
     """speculators trained with ``cfg``, converted (checked), simulated: its AL and tokens per step."""
-    from draftloop.kernels.checkpoint import load_target_head
+    from draftloop.kernels.files import load_target_head
 
     seed = int(cfg.seed)
     target_dir = Path(config.target.path)
@@ -520,7 +519,8 @@ def one_seed(
     """Both trainers with the seed of the configs (initial weights and sample order), both simulated:
     draftloop with ``config``'s training section, speculators with ``peer_config``'s (read from the
     workdir's cache when ``reuse_peer`` and cached)."""
-    from draftloop.kernels.checkpoint import load_drafter, load_target_head
+    from draftloop.kernels.checkpoint import load_drafter
+    from draftloop.kernels.files import load_target_head
 
     seed = int(config.training.seed)
     log(f"seed {seed}: draftloop training (train stage worker body, 1 worker, CPU)")

@@ -136,6 +136,7 @@ def draftloop_run(
     head = torch.randn(s["VD"], s["H"]) * 0.02
     cfg = TrainConfig(
         ttt_length=args.ttt,
+        epochs=1,  # (TrainConfig's default is the config's now: 8)
         batch_size=args.samples_per_step,
         lr=1e-4,
         compile=True,

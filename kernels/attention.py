@@ -45,7 +45,9 @@ class Decode(NamedTuple):
         past_len = keys.shape[2] - length
         gqa = keys.shape[1] != q.shape[1]
         if past_len == 0:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         visible = torch.ones(length, past_len + length, dtype=torch.bool, device=q.device)
         visible[:, past_len:] = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale, enable_gqa=gqa)
@@ -134,7 +136,8 @@ def _segment_mask(segments: Tensor, length: int, device: torch.device) -> Tensor
     """[B, 1, T, T] bool: query t sees key s <= t of its own sample (padding sees padding, so no row
     is fully masked)."""
     positions = torch.arange(length, device=device)
-    return (segments[:, None, :, None] == segments[:, None, None, :]) & (positions[None, :] <= positions[:, None])
+    same_sample = segments[:, None, :, None] == segments[:, None, None, :]
+    return same_sample & (positions[None, :] <= positions[:, None])
 
 
 def _chain_elementwise(

@@ -1,22 +1,18 @@
-"""Drafter checkpoint folders: the engines' native EAGLE-3 format, the speculators format, and the
-target tensors a drafter shares (embedding, lm_head, final norm).
+"""Drafter checkpoint folders in the engines' native EAGLE-3 format: `save_drafter` and `load_drafter`.
 
 A native folder is config.json + model.safetensors (no embedding). config.json is a one-layer model
 config (model_type llama, or deepseek_v2 for an MLA drafter) with ``eagle_aux_hidden_state_layer_ids``
-in the convention of the engine that will read it, any keys that engine adds (``extra_config``), and a
-``draftloop`` block recording the trained ids in layer_input convention and the full `DrafterConfig`.
-Kernels name no engine: the engine modules (infra/engines/) pass their convention and extra keys.
-
-The draftloop block's ``metadata`` also carries what the drafter was trained against
-(`contract_record`: the target's chat template hash, dtype and quantization, the last hidden state's
-semantics), which the pairing check (infra/engines/pairing.py) compares with what is served. Bad input
-(a truncated or missing weights file, missing or misshapen tensors, non-finite weights, a d2t that is
-not offsets) raises `DrafterFormatError` naming the file and the reason.
+in the convention of the engine that will read it, any keys that engine adds (``extra_config``) and the
+drafter variant adds, and a ``draftloop`` block recording the trained ids in layer_input convention, the
+full `DrafterConfig` and what the drafter was trained against (kernels/contract.py). Kernels name no
+engine: the engine modules (infra/engines/) pass their convention and extra keys. Published folders
+(no draftloop block; the speculators format too) are read when their ids' convention is given; a
+variant no registered drafter variant computes is refused (kernels/variants/). Bad input raises
+`DrafterFormatError` naming the file and the reason (kernels/files.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -24,208 +20,26 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .drafter import DrafterConfig, Eagle3Drafter
+from .files import DrafterFormatError, check_safetensors_file, read_json, vocab_mapping_problem
 from .layer_ids import Convention, LayerIds, normalize_convention
-from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY
+from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
+from .variants.base import UnsupportedVariantError, variant_for_speculators
 
-__all__ = [
-    "CHAT_TEMPLATE_KEY",
-    "TARGET_QUANTIZATION_KEY",
-    "DrafterFormatError",
-    "LayerIdExportError",
-    "chat_template_sha256",
-    "check_safetensors_file",
-    "check_target_weights",
-    "contract_record",
-    "export_speculators",
-    "load_drafter",
-    "load_target_head",
-    "read_drafter_config",
-    "save_drafter",
-    "target_quantization",
-    "vocab_mapping_problem",
-]
+__all__ = ["LayerIdExportError", "layer_config", "load_drafter", "read_drafter_config", "save_drafter"]
 
 FORMAT_VERSION = 1
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-# Keys of the draftloop block's metadata that record what the drafter was trained against.
-CHAT_TEMPLATE_KEY = "chat_template_sha256"
-TARGET_QUANTIZATION_KEY = "target_quantization"
-
-
-class DrafterFormatError(ValueError):
-    """A drafter or target folder that cannot be read; the message names the file and the reason.
-
-    ``check`` names what failed (weights, tensors, d2t, final_norm, config) for the pairing report."""
-
-    def __init__(self, message: str, check: str = "format") -> None:
-        super().__init__(message)
-        self.check = check
-
-    def __reduce__(self) -> tuple[Any, ...]:  # keeps `check` across processes (Ray, Prefect)
-        return (type(self), (str(self), self.check))
-
-
-# --------------------------------------------------------------------------------------------- contract
-
-
-def chat_template_sha256(path: str | os.PathLike[str]) -> str | None:
-    """sha256 of the chat template a tokenizer folder holds (chat_template.jinja, chat_template.json or
-    tokenizer_config.json's ``chat_template``), or of a template file; None when there is none."""
-    source = Path(path)
-    template: Any = None
-    if source.is_file():
-        template = source.read_text()
-    elif (source / "chat_template.jinja").is_file():
-        template = (source / "chat_template.jinja").read_text()
-    else:
-        for name in ("chat_template.json", "tokenizer_config.json"):
-            if (source / name).is_file():
-                template = _read_json(source / name).get("chat_template")
-                if template is not None:
-                    break
-    if template is None:
-        return None
-    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def target_quantization(target_config: Mapping[str, Any]) -> str | None:
-    """The quantization method a target checkpoint declares (``quantization_config.quant_method``)."""
-    quantization = target_config.get("quantization_config")
-    if not isinstance(quantization, Mapping):
-        text_config = target_config.get("text_config")
-        quantization = text_config.get("quantization_config") if isinstance(text_config, Mapping) else None
-    return str(quantization.get("quant_method", "unknown")) if isinstance(quantization, Mapping) else None
-
-
-def contract_record(
-    target_dir: str | os.PathLike[str], *, target_dtype: str | None, last_hidden_state: str | None
-) -> dict[str, Any]:
-    """What a drafter is trained against, for its draftloop block's metadata: the target tokenizer's chat
-    template (synthesis and extraction render conversations with it), the dtype and quantization the
-    target ran in when its hidden states were extracted, and those hidden states' last-state semantics."""
-    folder = Path(target_dir)
-    return {
-        CHAT_TEMPLATE_KEY: chat_template_sha256(folder),
-        TARGET_DTYPE_KEY: target_dtype,
-        TARGET_QUANTIZATION_KEY: target_quantization(_read_json(folder / "config.json")),
-        LAST_HIDDEN_STATE_KEY: last_hidden_state,
-    }
-
-
-def vocab_mapping_problem(d2t: Tensor, t2d: Tensor | None, vocab_size: int) -> str | None:
-    """Why ``d2t`` (offsets: draft id + d2t[draft id] = target id) and ``t2d`` (which target ids the draft
-    vocabulary holds) do not describe one injective map into the target vocabulary; None when they do."""
-    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-        return f"d2t has dtype {d2t.dtype}; expected integer offsets"
-    if t2d is not None and tuple(t2d.shape) != (vocab_size,):
-        return f"t2d has shape {tuple(t2d.shape)}, expected ({vocab_size},) (the target vocabulary)"
-    offsets = d2t.reshape(-1).long()
-    target_ids = torch.arange(offsets.numel()) + offsets
-    inside = (target_ids >= 0) & (target_ids < vocab_size)
-    marked = t2d.bool() if t2d is not None else None
-    wrong = ~inside
-    if marked is not None:
-        wrong |= inside & ~marked[target_ids.clamp(0, vocab_size - 1)]
-    if bool(wrong.any()):
-        i = int(wrong.nonzero()[0])
-        offset, target_id = int(offsets[i]), int(target_ids[i])
-        message = f"d2t[{i}] = {offset} maps draft id {i} to target id {target_id} (draft id + offset), " + (
-            f"outside the target vocabulary of {vocab_size}"
-            if not bool(inside[i])
-            else "which t2d does not mark"
-        )
-        if marked is not None and 0 <= offset < vocab_size and bool(marked[offset]):
-            message += f"; t2d marks {offset} itself: d2t holds absolute target ids, not offsets"
-        return message + " (d2t must hold offsets: draft id + d2t[draft id] = target id)"
-    unique, counts = torch.unique(target_ids, return_counts=True)
-    if unique.numel() < target_ids.numel():
-        repeated = int(unique[counts > 1][0])
-        both = (target_ids == repeated).nonzero().flatten()[:2].tolist()
-        return f"d2t maps draft ids {both} to the same target id {repeated}"
-    if marked is not None and int(marked.sum()) != target_ids.numel():
-        return (
-            f"t2d marks {int(marked.sum())} target ids but d2t maps {target_ids.numel()} draft ids: "
-            "t2d is not the inverse of d2t"
-        )
-    return None
-
-
-def check_safetensors_file(path: str | os.PathLike[str]) -> None:
-    """Refuse a weights file that is missing, has no readable safetensors header, or holds fewer bytes
-    than its header lists (a truncated copy or download)."""
-    file = Path(path)
-    try:
-        size = file.stat().st_size
-        with file.open("rb") as handle:
-            prefix = handle.read(8)
-            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if header_len < 0 or header_len > size - 8:
-                raise DrafterFormatError(
-                    f"{file}: truncated or not a safetensors file ({size} bytes, no complete header)",
-                    check="weights",
-                )
-            header = json.loads(handle.read(header_len))
-        end = max(
-            (int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
-            default=0,
-        )
-    except FileNotFoundError:
-        raise DrafterFormatError(f"{file}: weights file not found", check="weights") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, IndexError, TypeError):
-        raise DrafterFormatError(
-            f"{file}: not a safetensors file (unreadable header)", check="weights"
-        ) from None
-    held = size - 8 - header_len
-    if end > held:
-        raise DrafterFormatError(
-            f"{file}: truncated: its header lists {end} bytes of tensor data, the file holds {held}",
-            check="weights",
-        )
-
-
-def check_target_weights(target_dir: str | os.PathLike[str], *, allow_bin: bool = False) -> list[Path]:
-    """The target's safetensors files, each checked complete; refuses a folder without weights, or whose
-    index names a file that is not there. ``allow_bin``: a folder of pytorch_model*.bin files only is
-    accepted as it is (engines serve it; only safetensors headers can be checked cheaply)."""
-    folder = Path(target_dir)
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.exists():
-        weight_map = _read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, Mapping) or not weight_map:
-            raise DrafterFormatError(f"{index_path}: no weight_map", check="weights")
-        files = [folder / name for name in sorted(set(map(str, weight_map.values())))]
-        for file in files:
-            if not file.exists():
-                raise DrafterFormatError(
-                    f"{file}: weights file not found (listed in {index_path.name})", check="weights"
-                )
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-        if not files and allow_bin and any(folder.glob("pytorch_model*.bin")):
-            return sorted(folder.glob("pytorch_model*.bin"))
-        if not files:
-            raise DrafterFormatError(f"{folder}: no *.safetensors weights files", check="weights")
-    for file in files:
-        check_safetensors_file(file)
-    return files
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class LayerIdExportError(ValueError):
     """Export asked for aux layer ids other than those the drafter was trained on."""
 
 
-# --------------------------------------------------------------------------------------------- native
-
-
-def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+def layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     """The drafter's decoder layer as a one-layer transformers model config (both formats start here)."""
     return {
         "num_hidden_layers": 1,
@@ -246,11 +60,11 @@ def _native_config(drafter: Eagle3Drafter, exported_ids: LayerIds) -> dict[str, 
     """config.json of the engines' EAGLE-3 drafter classes: a one-layer model config plus the ids."""
     cfg = drafter.config
     data: dict[str, Any] = {
-        **_layer_config(cfg),
+        **layer_config(cfg),
         "rope_theta": cfg.rope_theta,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
+        "torch_dtype": DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
         "eagle_aux_hidden_state_layer_ids": list(exported_ids.ids),
     }
     if cfg.rope_scaling:
@@ -282,6 +96,7 @@ def _native_config(drafter: Eagle3Drafter, exported_ids: LayerIds) -> dict[str, 
             topk_method="noaux_tc",
             scoring_func="sigmoid",
         )
+    data.update(drafter.variant.native_fields(cfg))
     return data
 
 
@@ -344,18 +159,6 @@ def save_drafter(
     return out
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise DrafterFormatError(f"{path}: not found") from exc
-    except json.JSONDecodeError as exc:
-        raise DrafterFormatError(f"{path}: invalid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise DrafterFormatError(f"{path}: expected a JSON object")
-    return data
-
-
 def _read_weights(folder: Path) -> tuple[dict[str, Tensor], str]:
     """(tensors, the file(s) they came from, for messages)."""
     single = folder / "model.safetensors"
@@ -385,19 +188,21 @@ def _normalize_weight_name(name: str) -> str:
     return name
 
 
-# speculators eagle3 variants our drafter layer does not compute: loading them would be silently wrong.
-_SPECULATORS_UNSUPPORTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-
-
 def _config_from_native(data: dict[str, Any], path: Path, convention: str | None) -> DrafterConfig:
     """The config of a published drafter (no draftloop config block): its model config plus the aux ids.
 
     The speculators format nests the layer's model config under ``transformer_layer_config``, and its ids
-    are in layer_input convention (its training data comes from vLLM, which reads them so)."""
+    are in layer_input convention (its training data comes from vLLM, which reads them so); its variant
+    fields name the drafter variant, refused here when no registered one computes it (loading it as
+    another would be silently wrong)."""
+    variant = "eagle3"
+    options: dict[str, Any] = {}
     if data.get("speculators_model_type") == "eagle3":
-        variants = [flag for flag in _SPECULATORS_UNSUPPORTED if data.get(flag)]
-        if variants:
-            raise DrafterFormatError(f"{path}: speculators eagle3 variant {variants} is not supported")
+        try:
+            found, options = variant_for_speculators(data)
+        except UnsupportedVariantError as exc:
+            raise DrafterFormatError(f"{path}: {exc}") from None
+        variant = found.name
         layer = data.get("transformer_layer_config")
         if not isinstance(layer, Mapping):
             raise DrafterFormatError(f"{path}: speculators config without a transformer_layer_config")
@@ -425,6 +230,8 @@ def _config_from_native(data: dict[str, Any], path: Path, convention: str | None
             LayerIds.parse(ids, convention),
             draft_vocab_size=data.get("draft_vocab_size"),
             target_hidden_size=data.get("target_hidden_size"),
+            variant=variant,
+            variant_options=options,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DrafterFormatError(f"{path}: cannot build a drafter config ({exc})") from exc
@@ -434,7 +241,7 @@ def read_drafter_config(path: str | os.PathLike[str], convention: str | None = N
     """The `DrafterConfig` of a native drafter folder: its draftloop block, or (a published drafter) its
     model config plus ``convention`` for its aux ids."""
     config_path = Path(path) / "config.json"
-    data = _read_json(config_path)
+    data = read_json(config_path)
     block = data.get("draftloop")
     if isinstance(block, Mapping) and "drafter_config" in block:
         try:
@@ -503,124 +310,3 @@ def load_drafter(
     if embed is not None:
         drafter.attach_embeddings(embed)
     return drafter
-
-
-def load_target_head(target_dir: str | os.PathLike[str]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(embed_tokens [V, H], lm_head [V, H], final norm weight [H] or None) of an HF target folder.
-
-    Reads only those tensors from the safetensors files (never the whole model); tied embeddings
-    (no lm_head tensor, or ``tie_word_embeddings``) return the embedding for both.
-    """
-    folder = Path(target_dir)
-    config = _read_json(folder / "config.json")
-    files = check_target_weights(folder)
-    index_path = folder / "model.safetensors.index.json"
-    weight_map: dict[str, str] = {}
-    if index_path.exists():
-        weight_map = dict(_read_json(index_path).get("weight_map", {}))
-
-    def find(candidates: tuple[str, ...]) -> Tensor | None:
-        for name in candidates:
-            if weight_map:
-                if name in weight_map:
-                    with safe_open(str(folder / weight_map[name]), framework="pt") as handle:
-                        return handle.get_tensor(name)
-                continue
-            for file in files:
-                with safe_open(str(file), framework="pt") as handle:
-                    if name in handle.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                        return handle.get_tensor(name)
-        return None
-
-    prefixes = ("model.", "model.language_model.", "language_model.model.", "")
-    embed = find(tuple(f"{p}embed_tokens.weight" for p in prefixes))
-    if embed is None:
-        raise DrafterFormatError(f"{folder}: no embed_tokens.weight in its safetensors files")
-    raw_text_config = config.get("text_config")
-    text_config: dict[str, Any] = raw_text_config if isinstance(raw_text_config, dict) else {}
-    tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-    lm_head = None if tied else find(("lm_head.weight", "language_model.lm_head.weight"))
-    norm = find(tuple(f"{p}norm.weight" for p in prefixes))
-    return embed, (lm_head if lm_head is not None else embed), norm
-
-
-# --------------------------------------------------------------------------------------------- speculators
-
-
-def export_speculators(
-    drafter: Eagle3Drafter,
-    out_dir: str | os.PathLike[str],
-    verifier_path: str,
-    speculative_tokens: int = 3,
-    verifier_architectures: list[str] | None = None,
-) -> Path:
-    """Write the speculators-library format (``speculators_model_type: eagle3``), which vLLM also loads.
-
-    Llama attention only (speculators' eagle3 has no MLA layer). The ids are written in layer_input
-    convention (speculators generates its training data through vLLM, which reads them so).
-    """
-    cfg = drafter.config
-    if cfg.attention != "llama":
-        raise ValueError("the speculators eagle3 format has no MLA drafter; export the native folder")
-    if cfg.target_hidden_size != cfg.hidden_size:
-        raise ValueError("speculators eagle3 needs target_hidden_size == hidden_size")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if verifier_architectures is None:
-        verifier_config = Path(verifier_path) / "config.json"
-        verifier_architectures = (
-            list(_read_json(verifier_config).get("architectures") or []) if verifier_config.exists() else []
-        )
-    layer_config: dict[str, Any] = {
-        **_layer_config(cfg),
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "rope_parameters": {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta},
-    }
-    ids = list(cfg.aux_layer_ids.to("layer_input").ids)
-    config = {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "speculators_version": "0.9.0",
-        "transformer_layer_config": layer_config,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": ids,
-        # Our layer keeps the raw hidden state as the residual (vLLM's default); speculators' config
-        # reader in vLLM defaults this flag to True, so it must be explicit.
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": False,
-        "torch_dtype": _DTYPE_NAMES.get(drafter.fc.weight.dtype, "float32"),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": int(speculative_tokens),
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier_path), "architectures": verifier_architectures},
-        },
-        "draftloop": {
-            "format_version": FORMAT_VERSION,
-            "aux_layer_ids": list(cfg.aux_layer_ids.ids),
-            "aux_layer_ids_convention": "layer_input",
-            "convention_exported": "layer_input",
-            "engine": "speculators",
-        },
-    }
-    tensors: dict[str, Tensor] = {}
-    for name, tensor in drafter.weights_state_dict().items():
-        if name in ("d2t", "t2d") and cfg.draft_vocab_size == cfg.vocab_size:
-            continue  # speculators has no vocabulary tables for a full draft vocabulary
-        native = "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
-        tensors[native] = tensor.cpu()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out

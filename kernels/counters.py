@@ -13,7 +13,6 @@ gained per target forward, the bonus token included); per-position acceptance = 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
@@ -93,8 +92,3 @@ class SpecCounters:
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
         }
-
-
-def _by_position(left: SpecCounters, right: SpecCounters) -> Iterator[tuple[float, float]]:
-    """Pairs of per-position counts, the shorter side padded with zeros (an engine may report fewer)."""
-    return zip_longest(left.accepted_per_position, right.accepted_per_position, fillvalue=0.0)

@@ -2,7 +2,7 @@
 
 A packed row holds several samples back to back. The batch then carries, per token, ``segment_ids``
 (which sample of its row the token belongs to, -1 for padding) and ``position_ids`` (restarting at 0
-for every sample); :func:`draftloop.kernels.train.ttt_loss` turns them into a block-diagonal causal
+for every sample); :func:`draftloop.kernels.objective.ttt_loss` turns them into a block-diagonal causal
 mask for every TTT step and counts a prediction only when its anchor and the predicted token are in
 the same sample. An unpacked batch (one sample per row) carries neither: right padding alone keeps
 samples apart there. A packed batch keeps its keys even when a row holds one sample, so a compiled
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "collate_rows", "pack_first_fit_decreasing", "sample_length"]
+__all__ = ["PackedRows", "collate_rows", "collate_samples", "pack_first_fit_decreasing", "sample_length"]
 
 # Row layout of a packed batch: for each row, the samples it holds in order.
 PackedRows = Sequence[Sequence[Mapping[str, Tensor]]]
@@ -113,3 +113,17 @@ def collate_rows(
         out["segment_ids"] = segment_ids
         out["position_ids"] = position_ids
     return {name: tensor.to(device, non_blocking=True) for name, tensor in out.items()}
+
+
+def collate_samples(
+    samples: Sequence[Mapping[str, Tensor]],
+    device: torch.device | str = "cpu",
+    max_length: int | None = None,
+    batch_size: int | None = None,
+    pad_multiple: int | None = None,
+) -> dict[str, Tensor]:
+    """One sample per row, right-padded: input_ids/loss_mask [B, L], aux/last [B, L, *], lengths [B]
+    (see :func:`collate_rows` for ``batch_size`` and ``pad_multiple``)."""
+    if not samples:
+        raise ValueError("empty batch")
+    return collate_rows([[s] for s in samples], device, max_length, batch_size, pad_multiple, packed=False)

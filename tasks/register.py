@@ -20,11 +20,10 @@ from draftloop.tasks.summaries import EvaluationSummary, RegistrationSummary, Tr
 REGISTRATION_SHARD = "registration.json"
 
 
-def serving_command(config: ExperimentConfig, drafter_source: str, recommended_k: int | None) -> str:
-    """The command serving the target with the registered drafter at the evaluation's recommended k
-    (the engine's own k when none was recommended), in the config's engine."""
+def serving_command(config: ExperimentConfig, drafter_source: str, k: int) -> str:
+    """The command serving the target with the registered drafter at `k` (the evaluation's serving k),
+    in the config's engine."""
     engine = get_engine(config.engine.kind, config.engine_settings())
-    k = int(recommended_k or config.engine.num_speculative_tokens)
     target = Path(config.target.path)
     target_arg = str(target.resolve()) if target.exists() else str(target)
     local = drafter_source.removeprefix("file://")  # a local artifact store: the folder itself
@@ -70,7 +69,7 @@ def produce(request: StageRequest) -> Manifest:
             results,
             card,
             folder,
-            serving_command=lambda source: serving_command(config, source, results.recommended_k),
+            serving_command=lambda source: serving_command(config, source, evaluated.serving_k),
         )
     writer = DatasetWriter(request.work.uri, storage_options=options)
     payload = registration.to_dict()

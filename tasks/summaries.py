@@ -89,7 +89,7 @@ class EvaluationSummary(BaseModel):
     speedup_levels: list[dict[str, Any]]
     k_sweep: list[dict[str, Any]]
     recommended_k: dict[str, int | None]
-    serving_k: int | None
+    serving_k: int  # the k to serve: the best at the lowest concurrency, else the engine's k
     category_acceptance: dict[str, dict[str, Any]]
 
     def cycle_results(self) -> CycleResults:

@@ -8,10 +8,13 @@ answer. Rows that cannot be answered go to `rejected.jsonl` with a reason and ar
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import ray
+from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
 
 from draftloop.infra.engines.actors import start_server_actor
 from draftloop.infra.runtime.config import ExperimentConfig
@@ -23,13 +26,22 @@ from draftloop.infra.synthesis.conversations import (
     EVAL_PROMPTS_SHARD,
     REJECTED_SHARD,
     SynthesisResult,
+    count_rejections,
     prompt_too_long,
     templated_prompt,
     to_jsonl,
 )
 from draftloop.infra.synthesis.engine import input_messages, regenerate_from_config, synthesis_engine
 from draftloop.infra.synthesis.generator import remote_target_generator
-from draftloop.infra.synthesis.prompts import input_fingerprint, read_input_from_config
+from draftloop.infra.synthesis.prompts import DataError, input_fingerprint, read_input_from_config
+from draftloop.infra.synthesis.selection import (
+    LengthPolicy,
+    PromptSelection,
+    RowCounts,
+    select_prompts,
+    shortfall_error,
+    shortfall_warning,
+)
 from draftloop.infra.targets.resolve import ensure_target, target_fingerprint
 from draftloop.tasks.cache import StageError
 from draftloop.tasks.stage import Figure, Stage, StageRequest
@@ -40,16 +52,32 @@ ROWS_PER_SHARD = 1024
 PromptRow = dict[str, Any]  # {"id", "prompt", "messages"?, "category"?} (infra/synthesis/prompts.py)
 
 
-def split_prompts(config: ExperimentConfig, rows: list[PromptRow]) -> tuple[list[PromptRow], list[PromptRow]]:
-    """(training prompts, held-out eval prompts): the eval prompts are the last `data.eval_prompts` rows."""
-    held_out = int(config.data.eval_prompts)
+def split_prompts(config: ExperimentConfig, target_path: str, rows: list[PromptRow]) -> PromptSelection:
+    """The training prompts and the held-out eval prompts (the last `data.eval_prompts` rows), every one
+    through the one length policy in the target's tokens (infra/synthesis/selection.py), before any
+    answer is generated; a shortfall beyond `data.max_shortfall_fraction` is a data error here."""
+    from transformers import AutoTokenizer
+
+    held_out, wanted = int(config.data.eval_prompts), int(config.data.num_samples)
     if held_out >= len(rows):
         raise StageError(
             "synthesize", f"data.eval_prompts={held_out} leaves no training prompts of {len(rows)}"
         )
-    eval_rows = rows[len(rows) - held_out :] if held_out else []
-    train_rows = rows[: len(rows) - held_out][: int(config.data.num_samples)]
-    return train_rows, eval_rows
+    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=config.target.trust_remote_code)
+    selection = select_prompts(rows, tokenizer, LengthPolicy.from_config(config), wanted, held_out)
+    error = shortfall_error(wanted, len(selection.train), float(config.data.max_shortfall_fraction))
+    if error is not None or not selection.train:
+        refused = count_rejections(selection.rejected)
+        raise DataError(str(config.data.prompts), None, f"{error or 'no training prompt left'} ({refused})")
+    return selection
+
+
+def _warn(message: str) -> None:
+    """A warning in the run's log (the Prefect run logger inside a flow)."""
+    try:
+        get_run_logger().warning(message)
+    except MissingContextError:
+        logging.getLogger(__name__).warning(message)
 
 
 def _generate_in_process(
@@ -128,7 +156,8 @@ def produce(request: StageRequest) -> Manifest:
     options = storage_options(config)
     input_data = read_input_from_config(config, options)  # bad data fails before the target is built
     target_path = ensure_target(config)
-    train_prompts, eval_prompts = split_prompts(config, input_data.rows)
+    selection = split_prompts(config, target_path, input_data.rows)
+    train_prompts, eval_prompts = selection.train, selection.eval
     started = time.perf_counter()
     backend = str(config.synthesis.backend)
     if backend == "engine":
@@ -145,22 +174,37 @@ def produce(request: StageRequest) -> Manifest:
         chunk = rows[start : start + ROWS_PER_SHARD]
         writer.write_shard(f"{CONVERSATIONS_SHARD_PREFIX}{index:05d}.jsonl", to_jsonl(chunk), rows=len(chunk))
     writer.write_shard(EVAL_PROMPTS_SHARD, to_jsonl(eval_prompts), rows=len(eval_prompts))
-    # input rows set aside (file, line, reason) and prompts the target could not answer
-    rejected: list[dict[str, Any]] = [*input_data.rejected, *result.rejected]
+    # input rows set aside (file, line, reason), prompts the length policy refused, and prompts the target
+    # could not answer: every rejection, counted by kind
+    rejected: list[dict[str, Any]] = [*input_data.rejected, *selection.rejected, *result.rejected]
     writer.write_shard(REJECTED_SHARD, to_jsonl(rejected), rows=len(rejected))
     generating = result.seconds
-    reasons: dict[str, int] = {}
-    for row in result.rejected:
-        kind = row["reason"].split(":")[0]  # "generation failed: <detail>" -> "generation failed"
-        reasons[kind] = reasons.get(kind, 0) + 1
+    wanted = int(config.data.num_samples)
+    counts = RowCounts(
+        input_rows=input_data.read,
+        input_rejected=len(input_data.rejected),
+        length_rejected=len(selection.rejected),
+        held_out=len(eval_prompts),
+        training_prompts=len(train_prompts),
+        not_answered=len(result.rejected),
+    )
+    warning = shortfall_warning(wanted, len(rows), counts)
+    if warning is not None:
+        _warn(f"synthesize: {warning}")
+    error = shortfall_error(wanted, len(rows), float(config.data.max_shortfall_fraction))
+    if error is not None:
+        raise DataError(str(config.data.prompts), None, error)
     summary = {
         "backend": backend,
         "target": target_path,
-        "requested": len(train_prompts),
+        "requested": wanted,
         "rows": len(rows),
+        "shortfall": wanted - len(rows) if warning else None,
+        "warnings": [warning] if warning else [],
         **input_data.summary(),
+        **selection.summary(),
         "rejected": len(rejected),
-        "rejected_reasons": reasons,
+        "rejected_reasons": count_rejections(rejected),
         "eval_prompts": len(eval_prompts),
         "with_reasoning": sum(1 for row in rows if row.get("reasoning")),
         "generated_tokens": result.generated_tokens,
@@ -199,6 +243,7 @@ STAGE = Stage(
     gpus=gpus,
     figures=(
         Figure("rows", "conversations"),
+        Figure("shortfall", "short of data.num_samples"),
         Figure("rejected", "rejected"),
         Figure("rows_per_s", "rows/s"),
         Figure("tokens_per_s", "tokens/s"),

@@ -22,8 +22,9 @@ from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord, state_dir
 from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, read_shard, storage_options
-from draftloop.infra.training.worker import train_loop_per_worker
-from draftloop.kernels.checkpoint import contract_record
+from draftloop.infra.training.job import TrainingJob
+from draftloop.infra.training.worker import JOB_KEY, train_loop_per_worker
+from draftloop.kernels.contract import contract_record
 from draftloop.kernels.shards import LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY, shard_metadata_from_bytes
 from draftloop.tasks.cache import StageError, StageOutcome
 from draftloop.tasks.stage import Figure, Stage, StageRequest
@@ -50,56 +51,19 @@ def drafter_record(config: ExperimentConfig, hidden: StageOutcome) -> dict[str, 
     )
 
 
-def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) -> dict[str, Any]:
-    """What every training worker needs (plain data: it travels to Ray workers)."""
-    section = config.training
-    return {
-        "manifest": hidden.manifest.model_dump(mode="json"),
-        "storage_options": storage_options(config),
-        "target_path": str(config.target.path),
-        "aux_layer_ids": list(hidden.manifest.summary["aux_layer_ids"]),
-        "draft_vocab_size": section.draft_vocab_size,
-        "drafter_init": section.drafter_init,
-        "init_norm_from_target": bool(section.init_norm_from_target),
-        "seed": int(section.seed),
-        "engine": str(config.engine.kind),
-        "drafter_metadata": drafter_record(config, hidden),
-        "work_dir": str(folder),
-        "shuffle_window_shards": int(section.shuffle_window_shards),
-        "prefetch_shards": int(section.prefetch_shards),
-        "held_out_samples": int(section.held_out_samples),
-        "acceptance_k": int(config.engine.num_speculative_tokens),
-        "train_config": {
-            "ttt_length": int(section.ttt_length),
-            "epochs": int(section.epochs),
-            "batch_size": int(section.batch_size),
-            "lr": float(section.lr),
-            "warmup_ratio": float(section.warmup_ratio),
-            "weight_decay": float(section.weight_decay),
-            "grad_clip": float(section.grad_clip),
-            "grad_accum": int(section.grad_accum),
-            "seed": int(section.seed),
-            "pack_tokens": section.pack_tokens,
-            "checkpoint_every_steps": section.checkpoint_every_steps,
-            "train_lm_head": bool(section.train_lm_head),
-            "adam_betas": list(section.adam_betas),
-            "lr_schedule": str(section.lr_schedule),
-            "max_length": int(config.data.max_length),
-            "show_progress": False,
-            # training.compile: null = compile the TTT loss when training on GPUs (CUDA only in kernels).
-            "compile": section.compile if section.compile is not None else section.num_gpus_per_worker > 0,
-        },
-    }
+def loop_config(config: ExperimentConfig, hidden: StageOutcome, folder: Path) -> TrainingJob:
+    """What every training worker needs (one frozen value: it travels to the Ray workers)."""
+    return TrainingJob.from_config(config, hidden.manifest, folder, drafter_record(config, hidden))
 
 
 def _fit(config: ExperimentConfig, hidden: StageOutcome, key: str, folder: Path, pids: PidRecord) -> Path:
     ensure_ray(config.ray.address, pids)
     section = config.training
     gpus = float(section.num_gpus_per_worker)
-    loop = loop_config(config, hidden, folder)
+    job = loop_config(config, hidden, folder)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop,
+        train_loop_config={JOB_KEY: job},
         torch_config=TorchConfig(backend="nccl" if gpus > 0 else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=int(section.num_workers),

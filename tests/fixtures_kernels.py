@@ -90,6 +90,7 @@ def reference_drafts(target: Any, drafter: Any, tokens: list[int], k: int, layer
     """vLLM's proposal recomputed from scratch (no caches): `tokens` = t_0..t_P, t_P the newest token.
 
     First pass over positions 0..P-1 (target hidden at q, token q+1), then k-1 chain steps."""
+    from draftloop.kernels.attention import Decode
     from draftloop.kernels.capture import capture_aux_hidden_states
 
     length = len(tokens) - 1
@@ -102,7 +103,7 @@ def reference_drafts(target: Any, drafter: Any, tokens: list[int], k: int, layer
     drafts = [int(draft)]
     past = [first_kv]
     for step in range(1, k):
-        hidden, kv = drafter(hidden, draft, torch.tensor([[length - 1 + step]]), past=past)
+        hidden, kv = drafter(hidden, draft, torch.tensor([[length - 1 + step]]), Decode(past=past))
         past.append(kv)
         draft = drafter.to_target_ids(drafter.logits(hidden).argmax(-1))
         drafts.append(int(draft))
@@ -286,6 +287,7 @@ def greedy_samples(
 
 
 def train_pair(recipe: str, target_dir: Path) -> TrainedPair:
+    from draftloop.kernels.data import InMemorySamples
     from draftloop.kernels.train import TrainConfig, train_drafter
 
     timings: dict[str, float] = {}
@@ -305,7 +307,7 @@ def train_pair(recipe: str, target_dir: Path) -> TrainedPair:
     config = TrainConfig(
         ttt_length=TRAIN_TTT_LENGTH, epochs=TRAIN_EPOCHS, batch_size=8, lr=TRAIN_LR, show_progress=False
     )
-    train_drafter(drafter, samples, target.get_output_embeddings().weight, config)
+    train_drafter(drafter, InMemorySamples(samples), target.get_output_embeddings().weight, config)
     timings["train_s"] = time.perf_counter() - started
     return TrainedPair(
         recipe=recipe,

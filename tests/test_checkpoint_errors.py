@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from draftloop.cli import app
 from draftloop.infra.engines.pairing import check_drafter_pairing
-from draftloop.kernels.checkpoint import DrafterFormatError, load_drafter, load_target_head
+from draftloop.kernels.checkpoint import load_drafter
+from draftloop.kernels.files import DrafterFormatError, load_target_head
 
 
 @pytest.fixture

@@ -224,3 +224,37 @@ def test_cli_prints_resolved_config(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_missing_prompts_file(tmp_path: Path) -> None:
     error = _error(tmp_path, **{"data.prompts": "prompts/absent.jsonl"})
     assert error.field == "data.prompts" and str(tmp_path / "prompts" / "absent.jsonl") in error.reason
+
+
+def test_relative_paths_resolve_against_the_config_file_whatever_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "data" / "p.jsonl").write_text('{"id": "a", "prompt": "Hi?"}\n')
+    raw = yaml.safe_load(TINY_LLAMA.read_text())
+    raw["target"]["path"] = "models/tiny"
+    raw["data"]["prompts"] = "data/p.jsonl"
+    raw["engine"]["python"] = "venv/bin/python"
+    raw["storage"]["root"] = "runs"
+    raw["tracking"].update({"mlflow_uri": "sqlite:///state/mlflow.db", "artifact_root": "artifacts"})
+    (project / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(elsewhere)
+    config = ExperimentConfig.load(project / "cfg.yaml", check_environment=False)
+    assert config.target.path == str(project / "models" / "tiny")
+    assert config.data.prompts == str(project / "data" / "p.jsonl")
+    assert config.engine.python == str(project / "venv" / "bin" / "python")
+    assert config.storage.root == str(project / "runs")
+    assert config.tracking.artifact_root == str(project / "artifacts")
+    assert config.tracking.mlflow_uri == f"sqlite:///{project}/state/mlflow.db"
+    # a relative path to the config file means the same
+    monkeypatch.chdir(tmp_path)
+    again = ExperimentConfig.load(Path("project/cfg.yaml"), check_environment=False)
+    assert again.target.path == config.target.path and again.engine.python == config.engine.python
+    # the shipped configs name repository paths: the engine environment is the repository's
+    shipped = ExperimentConfig.load(TINY_LLAMA, check_environment=False)
+    assert shipped.engine.python == str(REPO / ".venvs" / "vllm" / "bin" / "python")
+    assert shipped.storage.root == str(REPO / ".draftloop" / "runs")
+    assert shipped.target.path == str(REPO / ".draftloop" / "models" / "tiny-llama")
+    assert sorted(p.name for p in elsewhere.iterdir()) == []

@@ -26,3 +26,26 @@ def test_answers_become_rows_and_empty_ones_rejections() -> None:
         }
     ]
     assert result.rejected == [{"id": "b", "reason": "empty answer"}]
+
+
+def test_rejections_are_counted_by_kind_under_names_mlflow_takes() -> None:
+    """The counts become MLflow metric names (rejected_reasons.<kind>), which allow only a few characters."""
+    import re
+
+    from draftloop.infra.synthesis.conversations import count_rejections
+
+    rejected = [
+        {"id": "a", "reason": "missing 'content' in turn 1", "kind": "missing content"},
+        {"id": "b", "reason": "generation failed: CUDA error 'x'"},
+        {"id": "c", "reason": "generation failed: out of memory"},
+        {"id": "d", "reason": "over data.max_length: prompt has 400007 tokens, data.max_length is 256"},
+        {"id": "e", "reason": "odd 'quoted' (kind)"},
+    ]
+    counts = count_rejections(rejected)
+    assert counts == {
+        "missing content": 1,
+        "generation failed": 2,
+        "over data.max_length": 1,
+        "odd quoted kind": 1,
+    }
+    assert all(re.fullmatch(r"[A-Za-z0-9_\-. :/]+", kind) for kind in counts)

@@ -9,6 +9,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -29,7 +30,8 @@ from draftloop.infra.synthesis.conversations import (
 )
 from draftloop.infra.synthesis.prompts import DataError, input_fingerprint, read_input
 from draftloop.tasks import synthesize
-from draftloop.tasks.cache import StageError
+from draftloop.tasks.cache import StageError, StageWork, cache_key, stage_uri
+from draftloop.tasks.stage import StageRequest
 
 TINY_LLAMA = Path(__file__).resolve().parent.parent / "configs" / "tiny-llama.yaml"
 
@@ -298,8 +300,22 @@ def test_run_with_bad_data_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "in.jsonl"]  # no service started
 
 
+def _stage_key(config: ExperimentConfig) -> str:
+    """The synthesize stage's cache key, from its declaration."""
+    stage = synthesize.STAGE
+    return cache_key(stage.name, config, stage.sections, {}, stage.key_fields(config))[0]
+
+
+def run_synthesize(config: ExperimentConfig) -> Any:
+    """The synthesize stage's work itself (no cache, no MLflow run): its committed manifest."""
+    stage = synthesize.STAGE
+    key, inputs = cache_key(stage.name, config, stage.sections, {}, stage.key_fields(config))
+    work = StageWork(stage.name, key, stage_uri(config, stage.name, key), inputs)
+    return stage.produce(StageRequest(config, work, {}, SimpleNamespace(pids=None), None))  # type: ignore[arg-type]
+
+
 def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zoo_target_dir: Any
 ) -> None:
     """Synthesis (target and generation faked: no model) records what the input held in its manifest, and
     the set-aside input rows in rejected.jsonl with file, line and reason."""
@@ -316,16 +332,17 @@ def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
         base_dir=tmp_path,
     )
 
-    def answer_all(_config: Any, _target: str, prompts: list[dict[str, Any]]) -> SynthesisResult:
+    def answer_all(_config: Any, _target: str, prompts: list[dict[str, Any]], _pids: Any) -> SynthesisResult:
         time.sleep(0.5)  # loading the target: start-up, not generation
         result = SynthesisResult(seconds=0.25)
         for prompt in prompts:
             result.add_answer(prompt, f"answer to {prompt['id']}", None)
         return result
 
-    monkeypatch.setattr(synthesize, "ensure_target", lambda _config: "fake-target")
+    target = str(zoo_target_dir("tiny-llama"))  # its tokenizer measures the prompts; nothing generates
+    monkeypatch.setattr(synthesize, "ensure_target", lambda _config: target)
     monkeypatch.setattr(synthesize, "_generate_in_process", answer_all)
-    manifest = synthesize.run(config).manifest
+    manifest = run_synthesize(config)
     assert manifest.summary["input_rows"] == 21 and manifest.summary["input_rejected"] == 1
     assert manifest.summary["input_formats"] == ["prompt"] and manifest.summary["rows"] == 16
     # rates over the generation alone (16 rows in 0.25 s), the rest of the stage's time is start-up
@@ -339,8 +356,17 @@ def test_synthesize_manifest_counts_input_rows_and_keeps_rejects(
             "source": str(source),
             "where": "line 6",
             "reason": f"duplicate id 'g0' (first at {source}:line 1)",
+            "kind": "duplicate id",
         }
     ]
+    # every rejection counted by kind; 16 conversations of data.num_samples=256: a shortfall, warned
+    assert manifest.summary["rejected_reasons"] == {"duplicate id": 1}
+    assert manifest.summary["requested"] == 256 and manifest.summary["shortfall"] == 240
+    (warning,) = manifest.summary["warnings"]
+    assert warning == (
+        "data.num_samples=256 but 16 training conversations were made (240 short): 16 training prompts were "
+        "left of 21 rows (1 rejected on input, 0 by the length policy, 4 held out for evaluation)"
+    )
 
 
 def test_edited_prompts_change_the_synthesize_cache_key(
@@ -357,18 +383,9 @@ def test_edited_prompts_change_the_synthesize_cache_key(
         },
         check_environment=False,
     )
-    keys: list[str] = []
-
-    def no_stage(stage: str, config: Any, sections: Any, upstream: Any, body: Any, **kwargs: Any) -> Any:
-        from draftloop.tasks.cache import cache_key
-
-        keys.append(cache_key(stage, config, sections, upstream, kwargs["extra_inputs"])[0])
-
-    monkeypatch.setattr(synthesize, "run_cached", no_stage)
-    synthesize.run(config)
-    synthesize.run(config)
+    keys: list[str] = [_stage_key(config), _stage_key(config)]
     prompts.write_bytes(_as_bytes([*PROMPT_ROWS, {"id": "p3", "prompt": "One more."}]))
-    synthesize.run(config)
+    keys.append(_stage_key(config))
     assert keys[0] == keys[1] != keys[2]  # same files: the cache hits; edited file: synthesized again
     # the bundled prompts are keyed by content, so every checkout shares them
     assert input_fingerprint("builtin") == input_fingerprint("builtin")
@@ -379,8 +396,70 @@ def test_edited_prompts_change_the_synthesize_cache_key(
     (target / "config.json").write_text("{}")
     (target / "model.safetensors").write_bytes(b"old weights")
     own_target = config.model_copy(update={"target": config.target.model_copy(update={"create": None})})
-    synthesize.run(own_target)
-    synthesize.run(own_target)
+    keys += [_stage_key(own_target), _stage_key(own_target)]
     (target / "model.safetensors").write_bytes(b"new weights!")
-    synthesize.run(own_target)
+    keys.append(_stage_key(own_target))
     assert keys[3] == keys[4] != keys[5] and keys[3] != keys[2]
+
+
+# OpenAI-style turns under `conversations` (a common export), with a system turn and a bad row among them.
+ROLE_CONTENT_ROWS: list[dict[str, Any]] = [
+    {
+        "id": f"rc{i}",
+        "conversations": [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": f"Question {i}?"},
+            {"role": "assistant", "content": f"Answer {i}."},
+        ],
+    }
+    for i in range(30)
+]
+
+
+@pytest.mark.parametrize("data_format", ["auto", "sharegpt", "openai"])
+def test_role_content_turns_under_conversations_are_read(tmp_path: Path, data_format: str) -> None:
+    bad = {"id": "bad", "conversations": [{"role": "user"}]}
+    source = _jsonl(tmp_path / "rc.jsonl", [*ROLE_CONTENT_ROWS, bad])
+    data = read_input(str(source), data_format=data_format)
+    assert [row["id"] for row in data.rows] == [f"rc{i}" for i in range(30)]  # every valid row kept
+    assert data.rows[3]["prompt"] == "Question 3?"
+    assert [m["role"] for m in data.rows[3]["messages"]] == ["system", "user", "assistant"]
+    (rejected,) = data.rejected
+    assert rejected["reason"] == "missing 'content' in turn 1" and rejected["kind"] == "missing content"
+    # ShareGPT turns under `messages` too, and a role that neither shape knows is still refused
+    mixed = _jsonl(
+        tmp_path / "mixed.jsonl",
+        [
+            {"id": "m1", "messages": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},
+            {"id": "m2", "conversations": [{"role": "wizard", "content": "hi"}]},
+        ],
+    )
+    mixed_data = read_input(str(mixed), data_format=data_format, max_rejected_fraction=0.5)
+    assert [row["prompt"] for row in mixed_data.rows] == ["Hi?"]
+    assert mixed_data.rejected[0]["reason"].startswith("unknown role 'wizard' in turn 1 (known: assistant")
+
+
+@pytest.mark.parametrize(
+    ("row", "looks_like"),
+    [
+        ({"instruction": "Sum 2 and 2.", "input": "", "output": "4"}, "an Alpaca-style"),
+        ({"question": "Why?", "answer": "Because."}, "a question-answer row"),
+        ({"text": "Once upon a time"}, "a plain-text corpus row"),
+        ({"dialog": [{"role": "user", "content": "hi"}]}, "its turns are under 'dialog'"),
+    ],
+)
+def test_a_row_in_no_format_says_which_it_looks_like(
+    tmp_path: Path, row: dict[str, Any], looks_like: str
+) -> None:
+    source = _jsonl(tmp_path / "other.jsonl", [row])
+    with pytest.raises(DataError) as raised:
+        read_input(str(source), on_bad_row="fail")
+    message = str(raised.value)
+    assert message.startswith(f"{source}:line 1: row has no 'prompt', 'messages' or 'conversations' field; ")
+    assert f"it looks like {looks_like}" in message
+    # in a prompt-format file, the same row's missing prompt says it too
+    with pytest.raises(DataError, match=r"missing 'prompt' \(prompt format\); it looks like"):
+        read_input(str(_jsonl(tmp_path / "p.jsonl", [PROMPT_ROWS[0], row])), on_bad_row="fail")
+    shapeless = _jsonl(tmp_path / "shapeless.jsonl", [{"id": "x", "colour": "blue"}])
+    with pytest.raises(DataError, match=r"field \(its fields: colour, id\)$"):
+        read_input(str(shapeless), on_bad_row="fail")

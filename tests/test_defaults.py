@@ -74,18 +74,19 @@ def _disagreements(section: type[BaseModel], others: list[Any]) -> list[str]:
 
 def _pairs() -> list[tuple[type[BaseModel], list[Any]]]:
     from draftloop.infra.engines.base import EngineSettings
-    from draftloop.infra.evaluation import run as evaluation_run
+    from draftloop.infra.evaluation import judge, measure, plan, report, run
     from draftloop.kernels.train import TrainConfig
 
     evaluation_entry_points: list[Callable[..., Any]] = [
         obj
-        for name, obj in vars(evaluation_run).items()
-        if inspect.isfunction(obj) and obj.__module__ == evaluation_run.__name__ and not name.startswith("_")
+        for module in (judge, measure, plan, report, run)
+        for name, obj in vars(module).items()
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
     ]
     return [
         (config_module.TrainingConfig, [TrainConfig]),
         (config_module.EngineConfig, [EngineSettings]),
-        (config_module.EvaluationConfig, evaluation_entry_points),
+        (config_module.EvaluationConfig, [plan.BenchmarkPlan, plan.EvaluationPlan, *evaluation_entry_points]),
     ]
 
 

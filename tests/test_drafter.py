@@ -17,16 +17,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from draftloop.kernels.checkpoint import (
-    DrafterFormatError,
-    LayerIdExportError,
-    export_speculators,
-    load_drafter,
-    load_target_head,
-    save_drafter,
-)
+from draftloop.kernels.attention import Chain, Decode, Masked, Packed
+from draftloop.kernels.checkpoint import LayerIdExportError, load_drafter, save_drafter
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+from draftloop.kernels.files import DrafterFormatError, load_target_head
 from draftloop.kernels.layer_ids import Convention, LayerIds
+from draftloop.kernels.speculators import export_speculators
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
 
 HIDDEN = 32
@@ -129,7 +125,7 @@ def test_incremental_decoding_matches_full_pass(kind: str) -> None:
     with torch.no_grad():
         full, (k, v) = drafter(hidden, ids, positions)
         _prefix, kv = drafter(hidden[:, :6], ids[:, :6], positions[:, :6])
-        step, _ = drafter(hidden[:, 6:], ids[:, 6:], positions[:, 6:], past=[kv])
+        step, _ = drafter(hidden[:, 6:], ids[:, 6:], positions[:, 6:], Decode(past=[kv]))
     heads = 2 if kind == "llama" else 4
     assert k.shape[:3] == (2, heads, 9) and v.shape[:3] == (2, heads, 9)
     assert full.shape == (2, 9, HIDDEN)
@@ -152,19 +148,24 @@ def test_chain_attention_equals_explicit_mask(kind: str) -> None:
     eye = torch.eye(length, dtype=torch.bool)
     with torch.no_grad():
         h0, kv0 = drafter(drafter.fuse(aux), ids, positions)
-        h1, kv1 = drafter(h0, ids, positions + 1, past=[kv0], attn_bias=causal, diagonal=[])
-        h1_ref, _ = drafter(h0, ids, positions + 1, past=[kv0], attn_bias=torch.cat([causal, eye], 1))
-        h2, _ = drafter(h1, ids, positions + 2, past=[kv0], attn_bias=causal, diagonal=[kv1])
+        h1, kv1 = drafter(h0, ids, positions + 1, Chain(past=[kv0]))
+        h1_ref, _ = drafter(h0, ids, positions + 1, Masked(past=[kv0], visible=torch.cat([causal, eye], 1)))
+        h2, _ = drafter(h1, ids, positions + 2, Chain(past=[kv0], earlier=[kv1]))
         additive = torch.zeros(length, 3 * length).masked_fill(
             ~torch.cat([causal, eye, eye], 1), float("-inf")
         )
-        h2_ref, _ = drafter(h1, ids, positions + 2, past=[kv0, kv1], attn_bias=additive)
+        h2_ref, _ = drafter(h1, ids, positions + 2, Masked(past=[kv0, kv1], visible=additive))
     torch.testing.assert_close(h1, h1_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h2, h2_ref, atol=1e-5, rtol=1e-5)
-    # attn_bias None in chain mode means causal over a past of the query length.
+    # A packed row holding one sample: the same as one sample per row, for the first pass and the chain.
+    one_sample = torch.zeros_like(ids)
     with torch.no_grad():
-        h2_default, _ = drafter(h1, ids, positions + 2, past=[kv0], diagonal=[kv1])
-    torch.testing.assert_close(h2_default, h2)
+        p0, pkv0 = drafter(drafter.fuse(aux), ids, positions, Packed(one_sample))
+        p1, _ = drafter(p0, ids, positions + 1, Chain(past=[pkv0], segments=one_sample))
+    torch.testing.assert_close(p0, h0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p1, h1, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="query length"):
+        drafter(h1[:, :4], ids[:, :4], positions[:, :4] + 2, Chain(past=[kv0]))
 
 
 def test_llama_attention_matches_transformers_reference() -> None:
@@ -201,7 +202,7 @@ def _compare_attention(ours: Any, ref: Any, rotary: Any) -> None:
     mask = torch.full((7, 7), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
         ref(x, (cos, sin), mask)
-        ours(x, positions, None, None, None)
+        ours(x, positions, Decode())
     torch.testing.assert_close(captured["ours"], captured["ref"], atol=1e-5, rtol=1e-5)
 
 
@@ -405,7 +406,7 @@ def test_packed_flex_mask_equals_dense_segment_mask() -> None:
     """The document-aware FlexAttention path (compiled CUDA training) computes what the dense segment
     mask computes: each query sees only earlier keys of its own sample, plus its own chain entries."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from draftloop.kernels.drafter import _attend, _flex_chain
+    from draftloop.kernels.attention import _flex_chain
 
     gen = torch.Generator().manual_seed(3)
     batch, heads, kv_heads, length, dim = 2, 4, 2, 160, 16
@@ -422,9 +423,9 @@ def test_packed_flex_mask_equals_dense_segment_mask() -> None:
     chain = [(rand(batch, kv_heads, length, dim), rand(batch, kv_heads, length, dim)) for _ in range(3)]
     scale = dim**-0.5
     # Step 0 (no chain) and a step with a chain of two earlier steps plus its own key.
-    dense0 = _attend(q, None, None, *past, None, scale, None, segments)
+    dense0 = Packed(segments).attend(q, *past, scale)
     flex0 = _flex_chain(q, *past, length, 0, scale, segments)
-    dense2 = _attend(q, *past, *chain[2], None, scale, chain[:2], segments)
+    dense2 = Chain(past=[past], earlier=chain[:2], segments=segments).attend(q, *chain[2], scale)
     keys = torch.cat([past[0], *(k for k, _ in chain)], dim=2)
     values = torch.cat([past[1], *(v for _, v in chain)], dim=2)
     flex2 = _flex_chain(q, keys, values, length, 3, scale, segments)
@@ -433,6 +434,6 @@ def test_packed_flex_mask_equals_dense_segment_mask() -> None:
     # The mask keeps samples apart: changing sample 0's keys leaves sample 1's outputs alone.
     changed = past[0].clone()
     changed[0, :, :70] += 1.0
-    moved = _attend(q, None, None, changed, past[1], None, scale, None, segments)
+    moved = Packed(segments).attend(q, changed, past[1], scale)
     torch.testing.assert_close(moved[0, :, 70:], dense0[0, :, 70:])
     assert not torch.allclose(moved[0, :, :70], dense0[0, :, :70])

@@ -20,14 +20,11 @@ from draftloop.infra.engines.pairing import (
     check_drafter_contract,
     check_drafter_pairing,
 )
-from draftloop.kernels.checkpoint import (
-    CHAT_TEMPLATE_KEY,
-    DrafterFormatError,
-    contract_record,
-    save_drafter,
-)
+from draftloop.kernels.checkpoint import save_drafter
+from draftloop.kernels.contract import CHAT_TEMPLATE_KEY, contract_record
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.families.base import family_for_config
+from draftloop.kernels.files import DrafterFormatError
 from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
 from draftloop.kernels.vocab import build_draft_vocab
 

@@ -15,7 +15,8 @@ from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
-from draftloop.kernels.checkpoint import contract_record, save_drafter
+from draftloop.kernels.checkpoint import save_drafter
+from draftloop.kernels.contract import contract_record
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM

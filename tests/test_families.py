@@ -15,10 +15,12 @@ import draftloop.kernels.families as families_package
 from draftloop.kernels.capture import capture_aux_hidden_states
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.families.base import (
+    GENERIC,
     FamilyRegistrationError,
     TargetFamily,
     UnknownFamilyError,
     family_for_config,
+    generic_refusal,
     get_family,
     known_families,
     register_family,
@@ -107,3 +109,75 @@ def test_engine_patches_name_real_plugin_patches() -> None:
         sys.path.remove(str(PLUGIN_DIR))
     for family in known_families():
         assert set(family.engine_patches) <= set(PATCH_NAMES), family.name
+
+
+def _tiny(model_type: str) -> torch.nn.Module:
+    """A random 4-layer model of transformers' own class for `model_type` (no family module covers it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=1,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2"])
+def test_a_decoder_without_a_family_module_takes_the_generic_path(model_type: str) -> None:
+    """Qwen3 (per-head query/key norms) and OLMo-2 (post-norm sublayers): capture, the drafter config and
+    the structure check all work from the ordinary layout, with the Llama-like defaults."""
+    model = _tiny(model_type)
+    assert model_type not in {t for family in known_families() for t in family.model_types}
+    assert family_for_config(model.config) is GENERIC
+    assert family_for_config(model.config.to_dict()) is GENERIC
+    GENERIC.check_structure(model)
+    ids = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    layer_ids = LayerIds((1, 2, 3))
+    result = capture_aux_hidden_states(model, ids, layer_ids, want_logits=True)
+    with torch.no_grad():
+        reference = model(input_ids=ids, output_hidden_states=True)
+    for slot, layer in enumerate(layer_ids.ids):
+        assert torch.equal(result.aux[..., slot * 32 : (slot + 1) * 32], reference.hidden_states[layer])
+    assert result.last is not None and torch.equal(result.last, reference.hidden_states[-1])
+    assert result.logits is not None
+    torch.testing.assert_close(result.logits, reference.logits)
+    config = DrafterConfig.for_target(model.config, GENERIC.default_aux_layer_ids(4))
+    assert (config.attention, config.num_key_value_heads, config.head_dim) == ("llama", 2, 8)
+    assert get_family("generic") is GENERIC
+
+
+def test_the_structure_check_names_what_the_generic_path_cannot_find() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64))
+    with pytest.raises(ValueError, match="cannot find the decoder layers of GPT2LMHeadModel"):
+        GENERIC.check_structure(gpt2)
+    model = _tiny("qwen3")
+    del model.model.layers[3]
+    with pytest.raises(ValueError, match="has 3 decoder layers, its config says 4"):
+        GENERIC.check_structure(model)
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"model_type": "minicpm3", "kv_lora_rank": 256}, "multi-head latent attention"),
+        ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder"),
+        ({"model_type": "llava_next", "text_config": {"model_type": "vicuna", "hidden_size": 8}}, "wrapped"),
+        ({"model_type": "qwen3", "hidden_size": 8, "num_hidden_layers": 2}, "no num_attention_heads"),
+    ],
+)
+def test_the_generic_path_refuses_what_it_does_not_assume(config: dict[str, object], reason: str) -> None:
+    assert generic_refusal(config) is not None and reason in str(generic_refusal(config))
+    with pytest.raises(UnknownFamilyError, match=reason):
+        family_for_config(config)

@@ -22,14 +22,13 @@ def _config(tmp_path: Path, **overrides: Any) -> ExperimentConfig:
 
 
 def _keys(config: ExperimentConfig, upstream: Any) -> dict[str, str]:
-    return {
-        "synthesize": cache_key("synthesize", config, synthesize.SECTIONS, {})[0],
-        "extract": cache_key("extract", config, extract.SECTIONS, {"conversations": upstream})[0],
-        "train": cache_key(
-            "train", config, train.SECTIONS, {"hidden": upstream}, {"engine.kind": config.engine.kind}
-        )[0],
-        "evaluate": cache_key("evaluate", config, evaluate.SECTIONS, {"drafter": upstream})[0],
-    }
+    """Each stage's key from its declaration, every input given the same upstream manifest (the
+    synthesize stage's own file fingerprints left out: this target folder does not exist)."""
+    keys = {"synthesize": cache_key("synthesize", config, synthesize.STAGE.sections, {})[0]}
+    for stage in (extract.STAGE, train.STAGE, evaluate.STAGE):
+        inputs = {name: upstream for name in stage.inputs}
+        keys[stage.name] = cache_key(stage.name, config, stage.sections, inputs, stage.key_fields(config))[0]
+    return keys
 
 
 class _Manifest:

@@ -7,16 +7,10 @@ import pytest
 import torch
 from synthetic_training import new_drafter, synthetic_samples, target_tensors
 
-from draftloop.kernels.packing import collate_rows, pack_first_fit_decreasing
-from draftloop.kernels.train import (
-    TrainConfig,
-    collate_samples,
-    draft_target_head,
-    train_drafter,
-    ttt_loss,
-    ttt_metrics,
-    ttt_weights,
-)
+from draftloop.kernels.data import InMemorySamples
+from draftloop.kernels.objective import draft_target_head, ttt_loss, ttt_metrics, ttt_weights
+from draftloop.kernels.packing import collate_rows, collate_samples, pack_first_fit_decreasing
+from draftloop.kernels.train import TrainConfig, train_drafter
 
 
 def test_first_fit_decreasing_fills_rows_within_budget() -> None:
@@ -88,8 +82,8 @@ def test_packed_training_equals_unpacked_training() -> None:
         "show_progress": False,
     }
     unpacked, packed = new_drafter(embed), new_drafter(embed)
-    plain = train_drafter(unpacked, samples, lm_head, TrainConfig(**base))
-    rows = train_drafter(packed, samples, lm_head, TrainConfig(**base, pack_tokens=40))
+    plain = train_drafter(unpacked, InMemorySamples(samples), lm_head, TrainConfig(**base))
+    rows = train_drafter(packed, InMemorySamples(samples), lm_head, TrainConfig(**base, pack_tokens=40))
     assert [h["tokens"] for h in rows.history] == [h["tokens"] for h in plain.history]
     assert [h["loss"] for h in rows.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-4)
     for name, tensor in unpacked.state_dict().items():

@@ -3,6 +3,7 @@ whatever the number of ranks, and a mid-epoch resume from 1 to 2 workers (gloo, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -18,7 +19,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from synthetic_training import LAYERS, TARGET, new_drafter, synthetic_samples, target_tensors
 
-from draftloop.kernels.data import SampleKey, ShardedSamples, ShardRef, StepShare, split_held_out
+from draftloop.infra.training.best_epoch import BEST_WEIGHTS
+from draftloop.infra.training.job import TrainingJob
+from draftloop.kernels.data import (
+    InMemorySamples,
+    SampleKey,
+    ShardedSamples,
+    ShardRef,
+    StepShare,
+    split_held_out,
+)
 from draftloop.kernels.train import TrainConfig, train_drafter
 
 Sample = dict[str, torch.Tensor]
@@ -80,7 +90,7 @@ def test_streamed_training_equals_in_memory() -> None:
     samples = synthetic_samples(22, seed=7)
     cfg = TrainConfig(**CFG)
     in_memory = new_drafter(embed)
-    want = train_drafter(in_memory, samples, lm_head, cfg)
+    want = train_drafter(in_memory, InMemorySamples(samples), lm_head, cfg)
     # One shuffle window over every shard: the same global order as in memory, so the same weights.
     shards = RecordingShards(split(samples, [5, 9, 1, 7]), window_shards=4, prefetch_shards=1)
     streamed = new_drafter(embed)
@@ -208,26 +218,27 @@ def test_mid_epoch_resume_from_one_to_two_workers(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- train worker
 
 
-def _worker_loop(root: Path, work: str, held_out: int = 0) -> dict[str, Any]:
+def _worker_job(root: Path, work: str, held_out: int = 0) -> TrainingJob:
     """What tasks/train.py's loop_config hands each worker, for the synthetic dataset under ``root``."""
-    return {
-        "manifest": json.loads((root / "hidden" / "manifest.json").read_text()),
-        "storage_options": {},
-        "target_path": str(root / "target"),
-        "aux_layer_ids": list(LAYERS.ids),
-        "draft_vocab_size": 32,
-        "drafter_init": None,
-        "init_norm_from_target": True,
-        "seed": 0,
-        "engine": "vllm",
-        "drafter_metadata": {},
-        "work_dir": str(root / work),
-        "shuffle_window_shards": 2,
-        "prefetch_shards": 1,
-        "held_out_samples": held_out,
-        "acceptance_k": 3,
-        "train_config": {**CFG, "max_length": 64, "pack_tokens": 40, "checkpoint_every_steps": 2},
-    }
+    from draftloop.infra.runtime.storage import read_manifest
+
+    return TrainingJob(
+        manifest=read_manifest(str(root / "hidden")),
+        storage_options={},
+        target_path=str(root / "target"),
+        aux_layer_ids=LAYERS,
+        draft_vocab_size=32,
+        drafter_init=None,
+        init_norm_from_target=True,
+        engine="vllm",
+        drafter_metadata={},
+        work_dir=root / work,
+        shuffle_window_shards=2,
+        prefetch_shards=1,
+        held_out_samples=held_out,
+        acceptance_k=3,
+        train=TrainConfig(**CFG, max_length=64, pack_tokens=40, checkpoint_every_steps=2),
+    )
 
 
 def _train_worker_process(rank: int, world: int, root: str) -> None:
@@ -237,7 +248,7 @@ def _train_worker_process(rank: int, world: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world)
     try:
         train_worker(
-            _worker_loop(Path(root), "cut"), rank=rank, world=world, device="cpu", report=lambda _m: None
+            _worker_job(Path(root), "cut"), rank=rank, world=world, device="cpu", report=lambda _m: None
         )
     finally:
         dist.destroy_process_group()
@@ -297,17 +308,19 @@ def test_train_worker_exports_the_best_held_out_epoch(
 
     monkeypatch.setattr(worker, "teacher_forced_acceptance", estimate)
     _write_hidden_dataset(tmp_path, [6, 3, 8, 2, 7])
-    loop = _worker_loop(tmp_path, "run", held_out=2)
-    loop["train_config"] = {**loop["train_config"], "epochs": 3, "checkpoint_every_steps": None}
+    job = _worker_job(tmp_path, "run", held_out=2)
+    train = dataclasses.replace(job.train, epochs=3, checkpoint_every_steps=None)
+    job = dataclasses.replace(job, train=train)
     reports: list[dict[str, Any]] = []
-    worker.train_worker(loop, rank=0, world=1, device="cpu", report=reports.append)
+    worker.train_worker(job, rank=0, world=1, device="cpu", report=reports.append)
     result = json.loads((tmp_path / "run" / "final" / "result.json").read_text())
     lengths = [e["held_out_acceptance_length"] for e in result["epochs"]]
     assert seen == [2, 2, 2] and result["held_out_samples"] == 2 and result["samples"] == 24
     assert lengths == pytest.approx([1.2, 1.8, 1.5])
     assert [r["held_out_acceptance_length"] for r in reports if "epoch" in r] == pytest.approx(lengths)
     assert result["best_epoch"] == 1 and result["best_held_out_acceptance_length"] == pytest.approx(1.8)
-    best = torch.load(tmp_path / "run" / worker.BEST_WEIGHTS, weights_only=True)
+    assert result["exported_epoch"] == 1
+    best = torch.load(tmp_path / "run" / BEST_WEIGHTS, weights_only=True)
     last = torch.load(sorted((tmp_path / "run").glob("step-*"))[-1] / "drafter.pt", weights_only=True)
     exported = load_file(tmp_path / "run" / "final" / "drafter" / "model.safetensors")
     assert torch.equal(exported["fc.weight"], best["fc.weight"].to(exported["fc.weight"].dtype))
@@ -329,8 +342,8 @@ def test_train_worker_resumes_mid_epoch_on_two_workers(tmp_path: Path) -> None:
     def no_report(_metrics: dict[str, Any]) -> None:
         pass
 
-    train_worker(_worker_loop(tmp_path, "straight"), rank=0, world=1, device="cpu", report=no_report)
-    train_worker(_worker_loop(tmp_path, "cut"), rank=0, world=1, device="cpu", report=no_report)
+    train_worker(_worker_job(tmp_path, "straight"), rank=0, world=1, device="cpu", report=no_report)
+    train_worker(_worker_job(tmp_path, "cut"), rank=0, world=1, device="cpu", report=no_report)
     # As if the run had died after step 8 (epoch 1, mid-way): later checkpoints and the result gone.
     shutil.rmtree(tmp_path / "cut" / "final")
     for later in sorted((tmp_path / "cut").glob("step-*"))[1:]:
@@ -353,3 +366,11 @@ def test_train_worker_resumes_mid_epoch_on_two_workers(tmp_path: Path) -> None:
     got = load_file(tmp_path / "cut" / "final" / "drafter" / "model.safetensors")
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_exported_epoch_is_the_best_held_out_one_else_the_last() -> None:
+    from draftloop.infra.training.best_epoch import exported_epoch
+
+    assert exported_epoch(1, epochs=3) == 1
+    assert exported_epoch(0, epochs=3) == 0
+    assert exported_epoch(None, epochs=3) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,19 +14,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from draftloop.kernels.attention import Decode
 from draftloop.kernels.capture import capture_aux_hidden_states
 from draftloop.kernels.checkpoint import load_drafter, save_drafter
+from draftloop.kernels.data import InMemorySamples
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.layer_ids import LayerIds
-from draftloop.kernels.train import (
-    TrainConfig,
-    collate_samples,
-    draft_target_head,
-    make_optimizer,
-    train_drafter,
-    ttt_loss,
-    ttt_metrics,
-)
+from draftloop.kernels.objective import draft_target_head, ttt_loss, ttt_metrics
+from draftloop.kernels.packing import collate_samples
+from draftloop.kernels.train import TrainConfig, make_optimizer, train_drafter
 from draftloop.kernels.vocab import build_draft_vocab
 
 LAYERS = LayerIds((1, 3, 5))
@@ -97,7 +94,7 @@ def reference_ttt_loss(
             if step > 0:
                 past = [(k0[:, :, : anchor + 1], v0[:, :, : anchor + 1]), *chain]
                 token = padded[anchor + 1 + step].view(1, 1)
-                hidden, kv = drafter(hidden, token, torch.tensor([[anchor + step]]), past=past)
+                hidden, kv = drafter(hidden, token, torch.tensor([[anchor + step]]), Decode(past=past))
                 chain.append(kv)
             predicted = anchor + 2 + step
             if predicted < length and mask[predicted]:
@@ -155,11 +152,11 @@ def test_training_learns_and_is_deterministic(target_and_samples, tmp_path: Path
     model, samples = target_and_samples
     cfg = TrainConfig(ttt_length=3, epochs=4, batch_size=4, lr=3e-3, seed=0, show_progress=False)
     steps: list[int] = []
-    epochs: list[dict[str, object]] = []
+    epochs: list[dict[str, Any]] = []
     drafter = new_drafter(model)
     result = train_drafter(
         drafter,
-        samples,
+        InMemorySamples(samples),
         model.lm_head.weight.detach(),
         cfg,
         on_step=lambda step, _m: steps.append(step),
@@ -176,7 +173,7 @@ def test_training_learns_and_is_deterministic(target_and_samples, tmp_path: Path
     lrs = [h["lr"] for h in result.history]
     assert max(lrs) == pytest.approx(3e-3) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
 
-    again = train_drafter(new_drafter(model), samples, model.lm_head.weight.detach(), cfg)
+    again = train_drafter(new_drafter(model), InMemorySamples(samples), model.lm_head.weight.detach(), cfg)
     assert [h["loss"] for h in again.history] == [h["loss"] for h in result.history]
 
     # Trained drafter: save -> load gives identical logits, and the layer ids are recorded.
@@ -209,7 +206,7 @@ def test_frozen_lm_head_betas_and_linear_schedule(target_and_samples) -> None:  
     drafter = new_drafter(model)
     drafter.init_from_target_head(model.lm_head.weight.detach())
     before = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
-    result = train_drafter(drafter, samples, model.lm_head.weight.detach(), cfg)
+    result = train_drafter(drafter, InMemorySamples(samples), model.lm_head.weight.detach(), cfg)
     after = drafter.state_dict()
     assert torch.equal(after["lm_head.weight"], model.lm_head.weight.detach())  # frozen: the target's rows
     assert drafter.lm_head.weight.grad is None
@@ -244,10 +241,12 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
     hidden = SimpleNamespace(
         manifest=SimpleNamespace(model_dump=lambda mode: {}, summary={"aux_layer_ids": [1, 3, 5]})
     )
-    loop = train_task.loop_config(config, hidden, tmp_path)  # type: ignore[arg-type]
-    cfg = TrainConfig(**loop["train_config"])
+    job = train_task.loop_config(config, hidden, tmp_path)  # type: ignore[arg-type]
+    cfg = job.train
     assert (cfg.train_lm_head, cfg.adam_betas, cfg.lr_schedule) == (False, (0.8, 0.99), "linear")
-    assert loop["init_norm_from_target"] is False
+    assert job.init_norm_from_target is False
+    assert job.aux_layer_ids == LayerIds((1, 3, 5), "layer_input")
+    assert cfg.max_length == config.data.max_length and cfg.show_progress is False
     raw["training"]["lr_schedule"] = "step"
     with pytest.raises(ConfigError, match=r"training\.lr_schedule"):
         ExperimentConfig.from_dict(raw, check_environment=False)
@@ -257,21 +256,33 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
 
 
 def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from draftloop.infra.runtime.storage import Manifest
+    from draftloop.infra.training.job import TrainingJob
     from draftloop.infra.training.worker import _build_drafter
 
     model = copy.deepcopy(target_and_samples[0])
     with torch.no_grad():
         model.model.norm.weight.uniform_(0.5, 2.0)  # a trained target's norm is not ones
     model.save_pretrained(tmp_path / "target")
-    loop = {
-        "target_path": str(tmp_path / "target"),
-        "drafter_init": None,
-        "aux_layer_ids": list(LAYERS.ids),
-        "draft_vocab_size": None,
-        "seed": 0,
-    }
+    job = TrainingJob(
+        manifest=Manifest(stage="extract", uri=str(tmp_path / "hidden"), shards=[], created_at=""),
+        storage_options={},
+        target_path=str(tmp_path / "target"),
+        aux_layer_ids=LAYERS,
+        draft_vocab_size=None,
+        drafter_init=None,
+        init_norm_from_target=True,
+        engine="vllm",
+        drafter_metadata={},
+        work_dir=tmp_path / "work",
+        shuffle_window_shards=1,
+        prefetch_shards=1,
+        held_out_samples=0,
+        acceptance_k=3,
+        train=TrainConfig(seed=0, show_progress=False),
+    )
     for from_target in (True, False):
-        drafter, _ = _build_drafter({**loop, "init_norm_from_target": from_target}, None, 0, 1)  # type: ignore[arg-type]
+        drafter, _ = _build_drafter(dataclasses.replace(job, init_norm_from_target=from_target), None, 0, 1)
         want = model.model.norm.weight.detach() if from_target else torch.ones(TARGET.hidden_size)
         assert torch.equal(drafter.norm.weight.detach(), want)
         assert torch.equal(drafter.lm_head.weight.detach(), model.lm_head.weight.detach())
@@ -299,11 +310,11 @@ def test_resume_continues_exactly(target_and_samples, train_lm_head: bool) -> No
             after_first["state"] = state
             after_first["weights"] = {k: v.clone() for k, v in drafter.state_dict().items()}
 
-    straight = train_drafter(drafter, samples, head, cfg, on_checkpoint=keep_first)
+    straight = train_drafter(drafter, InMemorySamples(samples), head, cfg, on_checkpoint=keep_first)
     assert straight.state["global_step"] == 6
     restarted = new_drafter(model, seed=99)
     restarted.load_state_dict(after_first["weights"])  # type: ignore[arg-type]
-    resumed = train_drafter(restarted, samples, head, cfg, resume_state=after_first["state"])  # type: ignore[arg-type]
+    resumed = train_drafter(restarted, InMemorySamples(samples), head, cfg, resume_state=after_first["state"])  # type: ignore[arg-type]
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history]
     assert resumed.state["global_step"] == 6
     for name, tensor in drafter.state_dict().items():
@@ -318,7 +329,7 @@ def test_draft_vocabulary_training(target_and_samples) -> None:  # type: ignore[
     head = draft_target_head(drafter, model.lm_head.weight.detach())
     assert torch.equal(head, model.lm_head.weight.detach()[t2d])
     cfg = TrainConfig(ttt_length=2, epochs=2, batch_size=8, lr=3e-3, show_progress=False)
-    result = train_drafter(drafter, samples, model.lm_head.weight.detach(), cfg)
+    result = train_drafter(drafter, InMemorySamples(samples), model.lm_head.weight.detach(), cfg)
     assert result.epochs[-1]["loss"] < result.epochs[0]["loss"]
 
 

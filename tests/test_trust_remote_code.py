@@ -151,7 +151,7 @@ def test_engine_extraction_from_the_config(
     trusted: bool,
 ) -> None:
     monkeypatch.setenv("DRAFTLOOP_STATE_DIR", str(tmp_path))
-    monkeypatch.setattr(engine_extraction, "ensure_ray", lambda address: None)
+    monkeypatch.setattr(engine_extraction, "ensure_ray", lambda address, pids=None: None)
     monkeypatch.setattr(engine_extraction, "start_server_actor", lambda *args, **kwargs: _NoServer())
     config = _config(target_dir, **kwargs)
     no_answer = [{"id": "q", "messages": [{"role": "user", "content": "Hi."}]}]

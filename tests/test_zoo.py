@@ -109,6 +109,25 @@ def test_recipe_config_matches_built_folder(built: dict[str, Path]) -> None:
         assert recipe.hf_config().num_hidden_layers == recipe.num_hidden_layers
 
 
+@pytest.mark.parametrize(
+    ("recipe", "model_class"), [("tiny-qwen3", "Qwen3ForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM")]
+)
+def test_other_families_are_their_own_transformers_classes(
+    recipe: str, model_class: str, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built from transformers' own config class of the architecture, not a Llama under another name."""
+    saved = json.loads((built[recipe] / "config.json").read_text())
+    assert saved["architectures"] == [model_class] and saved["model_type"] == RECIPES[recipe].model_type
+    _, model = _load(built[recipe], monkeypatch)
+    assert type(model).__name__ == model_class
+    names = {name for name, _ in model.named_parameters()}  # type: ignore[attr-defined]
+    if recipe == "tiny-qwen3":
+        assert "model.layers.0.self_attn.q_norm.weight" in names  # per-head query norm
+    else:
+        assert "model.layers.0.post_feedforward_layernorm.weight" in names  # post-norm sublayers
+        assert not any("input_layernorm" in name for name in names)
+
+
 def test_deepseek_is_shaped_for_vllm_cpu_mla(built: dict[str, Path]) -> None:
     saved = json.loads((built["tiny-deepseek"] / "config.json").read_text())
     assert saved["model_type"] == "deepseek_v3"
@@ -160,10 +179,13 @@ def test_greedy_outputs_are_context_dependent_and_not_degenerate(
         assert len(set(out)) >= 6, "one token repeated is degenerate"
 
 
-def test_greedy_continuations_are_learnable(built: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-qwen3", "tiny-olmo2"])
+def test_greedy_continuations_are_learnable(
+    recipe: str, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bigram/trigram table from some continuations predicts much of unseen ones: structure a drafter
     can learn (a target that is pure noise would score near 0 here)."""
-    tokenizer, model = _load(built["tiny-llama"], monkeypatch)
+    tokenizer, model = _load(built[recipe], monkeypatch)
     prompts = [row["prompt"] for row in read_input("builtin").rows[:40]]
     outputs = _greedy(tokenizer, model, prompts, new_tokens=32)
     train, held_out = outputs[:32], outputs[32:]

@@ -90,8 +90,8 @@ def bad_input_behind(error: BaseException) -> BaseException | None:
     from draftloop.infra.runtime.config import ConfigError
     from draftloop.infra.synthesis.prompts import DataError
     from draftloop.infra.targets.support import TargetRefusedError
-    from draftloop.kernels.checkpoint import DrafterFormatError
     from draftloop.kernels.families.base import UnknownFamilyError
+    from draftloop.kernels.files import DrafterFormatError
 
     user_errors = (
         EngineConfigError,

@@ -71,7 +71,7 @@ def _load_target(path: Path, *, trust_remote_code: bool = False) -> tuple[Any, A
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftloop.kernels.checkpoint import check_target_weights
+    from draftloop.kernels.files import check_target_weights
 
     if not (path / "config.json").is_file():
         raise _fail(f"--target: {path} is not a Hugging Face model folder (no config.json)")
@@ -157,7 +157,8 @@ def simulate(
 ) -> None:
     """Simulate greedy speculative decoding of TARGET with DRAFTER over PROMPTS; print vLLM's metrics."""
     from draftloop.infra.engines.base import convention_for
-    from draftloop.kernels.checkpoint import DrafterFormatError, load_drafter
+    from draftloop.kernels.checkpoint import load_drafter
+    from draftloop.kernels.files import DrafterFormatError
     from draftloop.kernels.simulate import LayerIdMismatchError, SimulationInputError, simulate_acceptance
 
     try:

@@ -29,18 +29,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from draftloop.infra.engines.base import Engine, EngineConfigError, read_json
-from draftloop.kernels.checkpoint import (
+from draftloop.kernels.checkpoint import load_drafter, read_drafter_config
+from draftloop.kernels.contract import (
     CHAT_TEMPLATE_KEY,
     TARGET_QUANTIZATION_KEY,
-    DrafterFormatError,
     chat_template_sha256,
-    check_target_weights,
-    load_drafter,
-    read_drafter_config,
     target_quantization,
 )
 from draftloop.kernels.drafter import DrafterConfig
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
+from draftloop.kernels.files import DrafterFormatError, check_target_weights
 from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY, TARGET_DTYPE_KEY
 
 

@@ -134,7 +134,7 @@ def _install_exit_handlers() -> None:
 
 
 class EngineServer:
-    """One engine server: baseline (no drafter) or speculative (drafter_dir + k)."""
+    """One engine server: baseline (no `speculation`) or speculative (its drafter at its own k)."""
 
     def __init__(
         self,

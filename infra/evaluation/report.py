@@ -37,6 +37,7 @@ class EvalReport:
     acceptance_tolerance: float  # the plan's: the one the verdict and `consistent` are judged by
     verdict: str
     reasons: list[str]
+    serving_k: int  # the k to serve: the best at the lowest concurrency, else the engine's k
     engine_layer_ids: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)
     # Prompts whose greedy outputs differ only from a numerical tie at the first divergence (see
@@ -53,7 +54,6 @@ class EvalReport:
     k_sweep: list[KSweepEntry] = field(default_factory=list)
     sweep_runs: dict[int, ServerRun] = field(default_factory=dict)  # the other k's servers
     recommended_k: dict[int, int | None] = field(default_factory=dict)  # per concurrency
-    serving_k: int | None = None  # the k to serve (best at the lowest concurrency)
     # category -> {prompts, simulator: {acceptance_rate, mean_acceptance_length}, engine: same or None}
     category_acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
 

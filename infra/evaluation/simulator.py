@@ -223,7 +223,8 @@ def run_simulator(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftloop.kernels.checkpoint import load_drafter, load_target_head
+    from draftloop.kernels.checkpoint import load_drafter
+    from draftloop.kernels.files import load_target_head
     from draftloop.kernels.simulate import simulate_acceptance
 
     dtype = _torch_dtype(mode.dtype)

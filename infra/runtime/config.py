@@ -8,9 +8,8 @@ fine-tune must match the target's hidden size; the engine and its Python must ex
 must be writable (local) or its bucket must exist (S3); what the target can or cannot do, in seconds
 (infra/targets/support.py). Every failure is a `ConfigError(field, reason)`.
 
-Relative local paths resolve at load time against the config file's folder (the repository for the
-configs it ships, which name repository paths), whatever the working directory (`base_dir` overrides; a
-dict resolves against the working directory), so the loaded config means the same in every process.
+Relative local paths resolve at load time against the config file's folder (the repository for its own
+configs/*.yaml), whatever the cwd (`base_dir` overrides), so the config means the same in every process.
 """
 
 from __future__ import annotations
@@ -76,6 +75,9 @@ class DataConfig(_Section):
     num_samples: int = Field(default=256, ge=1)
     eval_prompts: int = Field(default=16, ge=1)
     max_length: int = Field(default=256, ge=8)
+    over_length: Literal["skip", "truncate"] = "skip"  # a prompt with no room for an answer (any row)
+    eval_prompt_max_tokens: int | None = Field(default=None, ge=1)  # eval prompts' cap; null = max_length
+    max_shortfall_fraction: float = Field(default=1.0, ge=0.0, le=1.0)  # more of num_samples missing: error
     chat_template: str = "auto"
     # auto: each file's format from its rows; prompt {id, prompt}; sharegpt {conversations: [{from, value}]};
     # openai {messages: [{role, content}]} (JSONL or parquet, local or S3; infra/synthesis/prompts.py)
@@ -123,19 +125,22 @@ AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 class TrainingConfig(_Section):
     drafter_init: str | None = None
     draft_vocab_size: int | None = Field(default=None, ge=1)
-    ttt_length: int = Field(default=7, ge=1)
-    epochs: int = Field(default=8, ge=1)
-    batch_size: int = Field(default=8, ge=1)
-    lr: float = Field(default=3.0e-3, gt=0)
-    warmup_ratio: float = Field(default=0.05, ge=0, le=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=0.5, ge=0)
-    grad_accum: int = Field(default=1, ge=1)  # batch_size * grad_accum samples per step, all workers together
-    seed: int = 0
+    # The training loop's settings take their defaults from kernels/train.py's TrainConfig (the one place
+    # they are declared; it says why the last three).
+    ttt_length: int = Field(default=TrainConfig.ttt_length, ge=1)
+    epochs: int = Field(default=TrainConfig.epochs, ge=1)
+    batch_size: int = Field(default=TrainConfig.batch_size, ge=1)
+    lr: float = Field(default=TrainConfig.lr, gt=0)
+    warmup_ratio: float = Field(default=TrainConfig.warmup_ratio, ge=0, lt=1)
+    weight_decay: float = Field(default=TrainConfig.weight_decay, ge=0)
+    grad_clip: float = Field(default=TrainConfig.grad_clip, ge=0)
+    # batch_size * grad_accum samples per step, all workers together
+    grad_accum: int = Field(default=TrainConfig.grad_accum, ge=1)
+    seed: int = TrainConfig.seed
     # Pack samples into rows of at most this many tokens (one row per micro-batch); null = one per row.
-    pack_tokens: int | None = Field(default=None, ge=1)
-    checkpoint_every_steps: int | None = Field(default=None, ge=1)  # null = after every epoch only
-    # The training loop's own defaults (kernels/train.py TrainConfig says why these).
+    pack_tokens: int | None = Field(default=TrainConfig.pack_tokens, ge=1)
+    # null = after every epoch only
+    checkpoint_every_steps: int | None = Field(default=TrainConfig.checkpoint_every_steps, ge=1)
     # false: the drafter's lm_head stays the target's rows (no gradient).
     train_lm_head: bool = TrainConfig.train_lm_head
     adam_betas: tuple[AdamBeta, AdamBeta] = TrainConfig.adam_betas
@@ -151,7 +156,7 @@ class TrainingConfig(_Section):
     num_gpus_per_worker: float = Field(default=0, ge=0)
     # torch.compile the TTT loss: ~2x faster on CUDA after ~2 min of compilation (bench/RESULTS.md).
     # null = on when training runs on a GPU, off on CPU (tiny models would spend longer compiling).
-    compile: bool | None = None
+    compile: bool | None = TrainConfig.compile
     # Samples kept out of training (at most a tenth of the data): after every epoch the drafter's
     # teacher-forced acceptance length on them goes to MLflow, and the best epoch is the one exported.
     # 0 = export the last epoch.
@@ -530,8 +535,7 @@ def _is_uri(value: str) -> bool:
 
 
 def config_base_dir(path: str | Path) -> Path:
-    """What a config file's relative paths are relative to: the repository for the configs it ships
-    (configs/*.yaml name repository files such as .venvs/vllm), otherwise the file's own folder."""
+    """The folder a config file's relative paths start from: its own, or the repository for configs/*.yaml."""
     repository, folder = Path(__file__).resolve().parents[2], Path(path).resolve().parent
     return repository if folder == repository / "configs" else folder
 

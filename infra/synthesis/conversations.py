@@ -2,7 +2,8 @@
 
 A row is `{"id", "messages": [user prompt, assistant answer], "reasoning": str | None}`; a synthesize
 dataset stores them in `conversations-NNNNN.jsonl` shards next to `eval_prompts.jsonl` (the held-out
-prompts, `{"id", "prompt"}`) and `rejected.jsonl` (`{"id", "reason"}`).
+prompts, `{"id", "prompt"}`) and `rejected.jsonl` (`{"id", "reason"}`, plus `kind` where the reason's
+text varies: input rows and the length policy; `count_rejections` groups them all).
 """
 
 from __future__ import annotations
@@ -39,14 +40,34 @@ def templated_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[st
     """(text, tokens) of `messages` through the target's chat template, ready for the answer; raises
     what the template raises (e.g. a role it refuses)."""
     text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-    return text, len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # verbose=False: a prompt longer than the tokenizer's model_max_length is only being measured here
+    return text, len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def prompt_too_long(prompt_tokens: int, max_length: int) -> str | None:
-    """Why a prompt is refused for training samples of `max_length` tokens (no room for an answer)."""
+    """Why a prompt is refused for training samples of `max_length` tokens (no room for an answer); the
+    text before the first colon is its kind (`rejection_kind`)."""
     if prompt_tokens >= max_length - 1:
-        return f"prompt has {prompt_tokens} tokens, data.max_length is {max_length}"
+        return f"over data.max_length: prompt has {prompt_tokens} tokens, data.max_length is {max_length}"
     return None
+
+
+def rejection_kind(rejected: Mapping[str, Any]) -> str:
+    """The category a rejected row is counted under in the manifest's `rejected_reasons`: its own `kind`
+    (input rows, the length policy), else its reason up to the first colon ("generation failed: <detail>"
+    -> "generation failed")."""
+    kind = str(rejected.get("kind") or str(rejected["reason"]).split(":")[0])
+    # the counts become MLflow metric names, which allow only these characters
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "", kind).strip() or "other"
+
+
+def count_rejections(rejected: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """How many rejected rows of each kind."""
+    counts: dict[str, int] = {}
+    for row in rejected:
+        kind = rejection_kind(row)
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 @dataclass

@@ -171,14 +171,14 @@ def detect_format(row: Any) -> str | None:
 
 def _text(row: dict[str, Any], key: str, what: str) -> str:
     if key not in row:
-        raise _BadRow(f"missing '{key}'{what}", f"missing '{key}'")
+        raise _BadRow(f"missing '{key}'{what}", f"missing {key}")
     value = row[key]
     if value is None:
-        raise _BadRow(f"'{key}' is null{what}", f"missing '{key}'")
+        raise _BadRow(f"'{key}' is null{what}", f"missing {key}")
     if not isinstance(value, str):
-        raise _BadRow(f"'{key}' must be a string, got {type(value).__name__}{what}", f"'{key}' not a string")
+        raise _BadRow(f"'{key}' must be a string, got {type(value).__name__}{what}", f"{key} not a string")
     if not value.strip():
-        raise _BadRow(f"'{key}' is empty{what}", f"empty '{key}'")
+        raise _BadRow(f"'{key}' is empty{what}", f"empty {key}")
     return value
 
 
@@ -202,7 +202,8 @@ def _turns(row: dict[str, Any], data_format: str) -> list[dict[str, str]]:
     turns = row.get(list_key)
     if not isinstance(turns, list) or not turns:
         got = "missing" if list_key not in row else "null" if turns is None else "empty or not a list"
-        raise _BadRow(f"'{list_key}' is {got} ({data_format} format: a list of turns)", "no turns")
+        hint = _looks_like(row) if got == "missing" else ""
+        raise _BadRow(f"'{list_key}' is {got} ({data_format} format: a list of turns){hint}", "no turns")
     messages: list[dict[str, str]] = []
     for index, turn in enumerate(turns, start=1):
         what = f" in turn {index}"
@@ -236,18 +237,16 @@ def _no_format(row: Any) -> _BadRow:
     reason = "row has no 'prompt', 'messages' or 'conversations' field"
     if not isinstance(row, dict):
         return _BadRow(reason, "unknown format")
+    fields = ", ".join(sorted(map(str, row))) or "none"
+    return _BadRow(f"{reason}{_looks_like(row) or f' (its fields: {fields})'}", "unknown format")
+
+
+def _looks_like(row: dict[str, Any]) -> str:
+    """ "; it looks like ..." for a row of another corpus's shape (from the fields it has), else nothing."""
     hint = next((text for key, text in _LOOKS_LIKE if key in row), None)
     turn_key = next((key for key in _TURN_LIST_KEYS if isinstance(row.get(key), list)), None)
     if turn_key is not None:
         hint = f"its turns are under '{turn_key}': name that field 'messages' (or 'conversations')"
-    fields = ", ".join(sorted(map(str, row))) or "none"
-    shown = f"{reason}; it looks like {hint}" if hint else f"{reason} (its fields: {fields})"
-    return _BadRow(shown, "unknown format")
-
-
-def _looks_like(row: dict[str, Any]) -> str:
-    """ "; it looks like ..." for a row of another corpus's shape, else nothing."""
-    hint = next((text for key, text in _LOOKS_LIKE if key in row), None)
     return f"; it looks like {hint}" if hint else ""
 
 

@@ -85,7 +85,15 @@ def check_target(
     try:
         family = family_for_config(dict(model_config))
     except UnknownFamilyError as error:
-        raise TargetRefusedError(str(error)) from None
+        # A config.json may spell the shape in its architecture's own names (GPT-J's n_embd): transformers'
+        # config class maps them, so ask again with it before refusing.
+        hf_config = _known_hf_config(model_config)
+        if hf_config is None:
+            raise TargetRefusedError(str(error)) from None
+        try:
+            family = family_for_config(hf_config)
+        except UnknownFamilyError as again:
+            raise TargetRefusedError(str(again)) from None
     text = model_config.get("text_config")
     fields = text if isinstance(text, Mapping) and "hidden_size" not in model_config else model_config
     if family is GENERIC:
@@ -97,6 +105,21 @@ def check_target(
         drafter_attention=family.drafter_attention,
         depth=int(fields.get("num_hidden_layers") or 0),
     )
+
+
+def _known_hf_config(model_config: Mapping[str, Any]) -> Any:
+    """transformers' own config object for a model_type it knows (None otherwise)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = model_config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        fields = {key: value for key, value in model_config.items() if key != "model_type"}
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception:  # a config its own class refuses: the plain refusal stands
+        return None
 
 
 def _check_generic_structure(

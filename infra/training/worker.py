@@ -14,7 +14,6 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,44 +24,20 @@ import torch.distributed as dist
 
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.runtime.storage import Manifest, StorageOptions, read_shard
-from draftloop.kernels.checkpoint import load_drafter, load_target_head
+from draftloop.infra.training.best_epoch import BestEpoch, exported_epoch
+from draftloop.infra.training.job import TrainingJob
+from draftloop.kernels.checkpoint import load_drafter
 from draftloop.kernels.data import ShardedSamples, ShardRef, split_held_out
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
-from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.files import load_target_head
 from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
 from draftloop.kernels.simulate import teacher_forced_acceptance
-from draftloop.kernels.train import TrainConfig, train_drafter
+from draftloop.kernels.train import train_drafter
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
 
 CHECKPOINT_DONE = "COMPLETE"
-BEST_WEIGHTS = "best-drafter.pt"
-BEST_RECORD = "best.json"
+JOB_KEY = "job"  # the one entry of Ray Train's train_loop_config (a dict by its API): the TrainingJob
 Sample = Mapping[str, torch.Tensor]
-
-
-@dataclass
-class _BestEpoch:
-    """The epoch with the highest held-out acceptance length so far (its weights in the work folder, so
-    a resumed run still exports it)."""
-
-    epoch: int | None = None
-    length: float | None = None
-
-    @classmethod
-    def load(cls, work: Path) -> _BestEpoch:
-        record = work / BEST_RECORD
-        if not record.exists():
-            return cls()
-        data = json.loads(record.read_text())
-        return cls(int(data["epoch"]), float(data["length"]))
-
-    def update(self, work: Path, epoch: int, length: float, drafter: Eagle3Drafter) -> None:
-        self.epoch, self.length = epoch, length
-        work.mkdir(parents=True, exist_ok=True)
-        weights = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
-        torch.save(weights, work / f"{BEST_WEIGHTS}.tmp")
-        (work / f"{BEST_WEIGHTS}.tmp").replace(work / BEST_WEIGHTS)  # the record follows the weights
-        (work / BEST_RECORD).write_text(json.dumps({"epoch": epoch, "length": length}))
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -122,33 +97,34 @@ def _draft_vocab_counts(data: ShardedSamples, vocab_size: int, rank: int, world:
 
 
 def _build_drafter(
-    loop: dict[str, Any], data: ShardedSamples, rank: int, world: int
+    job: TrainingJob, data: ShardedSamples | None, rank: int, world: int
 ) -> tuple[Eagle3Drafter, torch.Tensor]:
     """(drafter with embeddings attached, target lm_head) — fresh from the target, or `drafter_init`."""
-    embed, lm_head, final_norm = load_target_head(loop["target_path"])
-    if loop["drafter_init"]:
-        drafter = load_drafter(loop["drafter_init"])
+    embed, lm_head, final_norm = load_target_head(job.target_path)
+    if job.drafter_init:
+        drafter = load_drafter(job.drafter_init)
     else:
-        target_config = json.loads((Path(loop["target_path"]) / "config.json").read_text())
-        layer_ids = LayerIds(tuple(loop["aux_layer_ids"]), "layer_input")
-        config = DrafterConfig.for_target(target_config, layer_ids, loop["draft_vocab_size"])
-        torch.manual_seed(int(loop["seed"]))
+        target_config = json.loads((Path(job.target_path) / "config.json").read_text())
+        config = DrafterConfig.for_target(target_config, job.aux_layer_ids, job.draft_vocab_size)
+        torch.manual_seed(job.train.seed)
         drafter = Eagle3Drafter(config)
         vocab_size = int(config.vocab_size)
         if config.draft_vocab_size < vocab_size:  # the draft vocabulary: the most frequent answer tokens
+            if data is None:
+                raise ValueError("a draft vocabulary smaller than the target's is counted from the data")
             counts = _draft_vocab_counts(data, vocab_size, rank, world)
             drafter.set_vocab_mapping(*build_draft_vocab(counts, vocab_size, config.draft_vocab_size))
         if lm_head.shape[1] == config.hidden_size:
-            drafter.init_from_target_head(lm_head, final_norm if loop["init_norm_from_target"] else None)
+            drafter.init_from_target_head(lm_head, final_norm if job.init_norm_from_target else None)
     drafter.attach_embeddings(embed)
     return drafter, lm_head
 
 
-def train_loop_per_worker(loop: dict[str, Any]) -> None:
+def train_loop_per_worker(loop_config: Mapping[str, TrainingJob]) -> None:
     """Ray Train worker body: this worker's rank and device, then `train_worker`."""
     context = ray.train.get_context()
     train_worker(
-        loop,
+        loop_config[JOB_KEY],
         rank=context.get_world_rank(),
         world=context.get_world_size(),
         device=ray.train.torch.get_device(),
@@ -157,7 +133,7 @@ def train_loop_per_worker(loop: dict[str, Any]) -> None:
 
 
 def train_worker(
-    loop: dict[str, Any],
+    job: TrainingJob,
     rank: int,
     world: int,
     device: torch.device | str,
@@ -167,17 +143,16 @@ def train_worker(
 
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
-    manifest = Manifest.model_validate(loop["manifest"])
-    total = sum(info.rows for info in manifest.shards if info.name.endswith(".safetensors"))
+    total = sum(info.rows for info in job.manifest.shards if info.name.endswith(".safetensors"))
     data, load_held_out = _hidden_shards(
-        manifest,
-        loop["storage_options"],
-        loop["shuffle_window_shards"],
-        loop["prefetch_shards"],
-        held_out_count(total, int(loop["held_out_samples"])),
+        job.manifest,
+        job.storage_options,
+        job.shuffle_window_shards,
+        job.prefetch_shards,
+        held_out_count(total, job.held_out_samples),
     )
-    drafter, lm_head = _build_drafter(loop, data, rank, world)
-    work = Path(loop["work_dir"])
+    drafter, lm_head = _build_drafter(job, data, rank, world)
+    work = job.work_dir
     resume_state = None
     resumed_from = None
     checkpoint = latest_checkpoint(work)
@@ -189,26 +164,24 @@ def train_worker(
     if world > 1:
         for tensor in drafter.state_dict().values():
             dist.broadcast(tensor, src=0)
-    settings = TrainConfig(**loop["train_config"])
+    settings = job.train
 
     # Rank 0 estimates acceptance on the held-out samples after every epoch and keeps the best epoch's
-    # weights: that epoch is exported (later epochs may overfit a small dataset).
+    # weights: that epoch is exported (infra/training/best_epoch.py).
     held_out = load_held_out() if rank == 0 else []
-    best = _BestEpoch.load(work) if checkpoint is not None else _BestEpoch()
+    best = BestEpoch.load(work) if checkpoint is not None else BestEpoch()
     head_on_device = lm_head.to(device) if held_out else lm_head
-    acceptance_k = int(loop["acceptance_k"])
 
     def on_epoch(epoch: int, summary: dict[str, Any]) -> None:
         figures = {"epoch": epoch, "loss": float(summary["loss"]), "steps": int(summary["steps"])}
         if held_out:
             drafter.eval()
-            estimate = teacher_forced_acceptance(drafter, held_out, head_on_device, k=acceptance_k)
+            estimate = teacher_forced_acceptance(drafter, held_out, head_on_device, k=job.acceptance_k)
             drafter.train()
             length = estimate.mean_acceptance_length
             summary["held_out_acceptance_length"] = length
             figures["held_out_acceptance_length"] = float(length or 0.0)
-            if length is not None and (best.length is None or length > best.length):
-                best.update(work, epoch, length, drafter)
+            best.offer(work, epoch, length, drafter)
         report(figures)
 
     def on_checkpoint(state: dict[str, Any]) -> None:
@@ -242,16 +215,16 @@ def train_worker(
         final = work / "final"
         shutil.rmtree(final, ignore_errors=True)
         exported = drafter.cpu()
-        if best.epoch is not None:
-            exported.load_state_dict(torch.load(work / BEST_WEIGHTS, weights_only=True), strict=False)
-        get_engine(loop["engine"]).export_drafter(
+        best.load_weights_into(work, exported)
+        epoch = exported_epoch(best.epoch, settings.epochs)
+        get_engine(job.engine).export_drafter(
             exported,
             final / "drafter",
             metadata={
-                **loop["drafter_metadata"],
+                **job.drafter_metadata,
                 "epochs": settings.epochs,
                 "final": result.final_metrics,
-                "exported_epoch": best.epoch if best.epoch is not None else settings.epochs - 1,
+                "exported_epoch": epoch,
             },
         )
         new_steps = result.history[len(resume_state["history"]) if resume_state else 0 :]
@@ -271,6 +244,7 @@ def train_worker(
                     "held_out_samples": len(held_out),
                     "best_epoch": best.epoch,
                     "best_held_out_acceptance_length": best.length,
+                    "exported_epoch": epoch,
                 }
             )
         )

@@ -1,0 +1,83 @@
+"""One training job: everything a train-stage worker needs, one frozen value built once from the config.
+
+The train stage builds it (`TrainingJob.from_config`) and hands it to every Ray Train worker inside
+`train_loop_config` (pickled: plain dataclasses, a pydantic manifest, `LayerIds`, a `TrainConfig`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.storage import Manifest, StorageOptions, storage_options
+from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.train import TrainConfig
+
+__all__ = ["TrainingJob"]
+
+# The TrainConfig fields the training section does not hold: set below.
+_NOT_FROM_SECTION = ("max_length", "show_progress")
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    """What every training worker of one train stage needs."""
+
+    manifest: Manifest  # the extracted hidden states
+    storage_options: StorageOptions
+    target_path: str
+    aux_layer_ids: LayerIds  # the extracted ones (layer_input), the drafter's fused layers
+    draft_vocab_size: int | None  # None: the target's vocabulary
+    drafter_init: str | None  # a drafter folder to start from; None: a fresh drafter
+    init_norm_from_target: bool  # a fresh drafter's final norm starts from the target's (else ones)
+    engine: str  # the exported drafter's format
+    drafter_metadata: Mapping[str, Any]  # what it is trained against (kernels/contract.py)
+    work_dir: Path  # checkpoints, the best epoch's weights, final/
+    shuffle_window_shards: int
+    prefetch_shards: int
+    held_out_samples: int  # asked for; at most a tenth of the data is held out
+    acceptance_k: int  # draft length of the held-out acceptance estimate
+    train: TrainConfig
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ExperimentConfig,
+        hidden_manifest: Manifest,
+        work_dir: Path,
+        drafter_metadata: Mapping[str, Any],
+    ) -> TrainingJob:
+        """The job of ``config``'s train stage over the hidden states of ``hidden_manifest`` (their aux
+        layer ids are the ones extraction recorded), checkpointing under ``work_dir``."""
+        section = config.training
+        shared = {
+            f.name: getattr(section, f.name)
+            for f in fields(TrainConfig)
+            if f.name in type(section).model_fields and f.name not in _NOT_FROM_SECTION
+        }
+        train = TrainConfig(
+            **shared,
+            max_length=int(config.data.max_length),
+            show_progress=False,
+        )
+        extracted_ids = tuple(int(i) for i in hidden_manifest.summary["aux_layer_ids"])
+        return cls(
+            manifest=hidden_manifest,
+            storage_options=storage_options(config),
+            target_path=str(config.target.path),
+            aux_layer_ids=LayerIds(extracted_ids, "layer_input"),
+            draft_vocab_size=section.draft_vocab_size,
+            drafter_init=section.drafter_init,
+            init_norm_from_target=bool(section.init_norm_from_target),
+            engine=str(config.engine.kind),
+            drafter_metadata=dict(drafter_metadata),
+            work_dir=Path(work_dir),
+            shuffle_window_shards=int(section.shuffle_window_shards),
+            prefetch_shards=int(section.prefetch_shards),
+            held_out_samples=int(section.held_out_samples),
+            acceptance_k=int(config.engine.num_speculative_tokens),
+            train=train,
+        )
