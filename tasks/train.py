@@ -138,9 +138,7 @@ def produce(request: StageRequest) -> Manifest:
         # The exported drafter: the epoch with the best held-out acceptance length (else the last).
         "held_out_samples": result["held_out_samples"],
         "held_out_acceptance_length": [round(e["held_out_acceptance_length"], 4) for e in held_out],
-        "exported_epoch": result["best_epoch"]
-        if result["best_epoch"] is not None
-        else int(config.training.epochs) - 1,
+        "exported_epoch": result["exported_epoch"],  # infra/training/best_epoch.py decided it
         "exported_held_out_acceptance_length": result["best_held_out_acceptance_length"],
     }
     return writer.commit("train", inputs=work.inputs, summary=summary)

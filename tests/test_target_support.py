@@ -44,13 +44,14 @@ def _hf_config(model_type: str, **fields: Any) -> dict[str, Any]:
 def test_recipes_resolve_to_their_family_or_the_generic_path_without_being_built() -> None:
     families = {
         recipe: check_target(target_model_config("/nonexistent", recipe)).family
-        for recipe in ("tiny-llama", "tiny-deepseek", "tiny-qwen3", "tiny-olmo2")
+        for recipe in ("tiny-llama", "tiny-deepseek", "tiny-qwen3", "tiny-olmo2", "tiny-gemma3")
     }
     assert families == {
         "tiny-llama": "llama",
         "tiny-deepseek": "deepseek",
         "tiny-qwen3": "generic",
         "tiny-olmo2": "generic",
+        "tiny-gemma3": "generic",
     }
     assert check_target(target_model_config("/nonexistent", "tiny-deepseek")).drafter_attention == "mla"
 

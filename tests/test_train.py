@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -230,6 +231,7 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
     import yaml
 
     from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
+    from draftloop.infra.runtime.storage import Manifest
     from draftloop.tasks import train as train_task
 
     raw = yaml.safe_load((Path(__file__).parent.parent / "configs" / "tiny-llama.yaml").read_text())
@@ -238,15 +240,20 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
     )
     config = ExperimentConfig.from_dict(raw, check_environment=False)
     monkeypatch.setattr(train_task, "drafter_record", lambda _config, _hidden: {})
-    hidden = SimpleNamespace(
-        manifest=SimpleNamespace(model_dump=lambda mode: {}, summary={"aux_layer_ids": [1, 3, 5]})
-    )
-    job = train_task.loop_config(config, hidden, tmp_path)  # type: ignore[arg-type]
+    extracted = {"aux_layer_ids": [1, 3, 5]}
+    manifest = Manifest(stage="extract", uri="x", shards=[], summary=extracted, created_at="")
+    job = train_task.loop_config(config, SimpleNamespace(manifest=manifest), tmp_path)  # type: ignore[arg-type]
     cfg = job.train
     assert (cfg.train_lm_head, cfg.adam_betas, cfg.lr_schedule) == (False, (0.8, 0.99), "linear")
     assert job.init_norm_from_target is False
     assert job.aux_layer_ids == LayerIds((1, 3, 5), "layer_input")
     assert cfg.max_length == config.data.max_length and cfg.show_progress is False
+    # Every setting the section and TrainConfig share arrives as the section says.
+    shared = {f.name for f in dataclasses.fields(TrainConfig)} & set(type(config.training).model_fields)
+    assert {"epochs", "lr", "ttt_length", "compile", "pack_tokens"} <= shared
+    for name in shared:
+        assert getattr(cfg, name) == getattr(config.training, name), name
+    assert pickle.loads(pickle.dumps(job)) == job  # it travels to the Ray workers pickled
     raw["training"]["lr_schedule"] = "step"
     with pytest.raises(ConfigError, match=r"training\.lr_schedule"):
         ExperimentConfig.from_dict(raw, check_environment=False)

@@ -110,7 +110,12 @@ def test_recipe_config_matches_built_folder(built: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "model_class"), [("tiny-qwen3", "Qwen3ForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM")]
+    ("recipe", "model_class"),
+    [
+        ("tiny-qwen3", "Qwen3ForCausalLM"),
+        ("tiny-olmo2", "Olmo2ForCausalLM"),
+        ("tiny-gemma3", "Gemma3ForCausalLM"),
+    ],
 )
 def test_other_families_are_their_own_transformers_classes(
     recipe: str, model_class: str, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
@@ -123,6 +128,9 @@ def test_other_families_are_their_own_transformers_classes(
     names = {name for name, _ in model.named_parameters()}  # type: ignore[attr-defined]
     if recipe == "tiny-qwen3":
         assert "model.layers.0.self_attn.q_norm.weight" in names  # per-head query norm
+    elif recipe == "tiny-gemma3":
+        assert "model.layers.0.pre_feedforward_layernorm.weight" in names  # norms around both sublayers
+        assert "lm_head.weight" in names  # untied, as vLLM's Gemma 3 class serves it
     else:
         assert "model.layers.0.post_feedforward_layernorm.weight" in names  # post-norm sublayers
         assert not any("input_layernorm" in name for name in names)
@@ -179,7 +187,7 @@ def test_greedy_outputs_are_context_dependent_and_not_degenerate(
         assert len(set(out)) >= 6, "one token repeated is degenerate"
 
 
-@pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-qwen3", "tiny-olmo2"])
+@pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-qwen3", "tiny-olmo2", "tiny-gemma3"])
 def test_greedy_continuations_are_learnable(
     recipe: str, built: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

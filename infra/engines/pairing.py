@@ -14,7 +14,7 @@ verdict reports. The clauses:
 - the drafter was made for this target: hidden size, vocabulary, aux layer ids within its depth;
 - RoPE: rope_theta and rope_scaling equal the target's; max_position_embeddings covers the served
   max_model_len (a drafter made for 2k positions served at 8k silently loses acceptance);
-- what training recorded in the draftloop block (`kernels.checkpoint.contract_record`): the last hidden
+- what training recorded in the draftloop block (`kernels.contract.contract_record`): the last hidden
   state after the final norm; the chat template synthesis rendered with is the one served (sha256);
   the target dtype and quantization the hidden states came from against the served ones (warnings).
 

@@ -502,8 +502,7 @@ class ExperimentConfig(_Section):
         return self.engine.settings(trust_remote_code=self.target.trust_remote_code)
 
     def target_family(self) -> TargetFamily:
-        """The target's family (kernels/families/; "generic" when no module covers its model_type), from
-        its config.json or zoo recipe."""
+        """The target's family (kernels/families/; "generic": no module), from config.json or its recipe."""
         return family_for_config(target_model_config(self.target.path, self.target.create))
 
     def aux_layer_ids_internal(self) -> LayerIds:
@@ -605,7 +604,8 @@ def _depth_and_hidden(hf_config: dict[str, Any], field: str, source: Path) -> tu
     for candidate in (hf_config, hf_config.get("text_config") or {}):
         if "num_hidden_layers" in candidate and "hidden_size" in candidate:
             return int(candidate["num_hidden_layers"]), int(candidate["hidden_size"])
-    raise ConfigError(field, f"{source} has no num_hidden_layers/hidden_size")
+    model_type = hf_config.get("model_type")
+    raise ConfigError(field, f"{source} (model_type {model_type!r}) has no num_hidden_layers/hidden_size")
 
 
 def check_storage_root(root: str, s3_endpoint_url: str | None = None) -> None:

@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from draftloop.infra.targets.recipes import get_recipe
-from draftloop.kernels.families.base import GENERIC, UnknownFamilyError, family_for_config
+from draftloop.kernels.families.base import (
+    GENERIC,
+    GENERIC_CONFIG_FIELDS,
+    UnknownFamilyError,
+    family_for_config,
+)
 from draftloop.kernels.layer_ids import LayerIds
 
 if TYPE_CHECKING:
@@ -87,7 +92,8 @@ def check_target(
     except UnknownFamilyError as error:
         # A config.json may spell the shape in its architecture's own names (GPT-J's n_embd): transformers'
         # config class maps them, so ask again with it before refusing.
-        hf_config = _known_hf_config(model_config)
+        missing = any(name not in model_config for name in GENERIC_CONFIG_FIELDS)
+        hf_config = _known_hf_config(model_config) if missing else None
         if hf_config is None:
             raise TargetRefusedError(str(error)) from None
         try:

@@ -228,7 +228,12 @@ def _reshape_weights(model: Any, recipe: Recipe, generator: Any) -> None:
         lm_head[: len(SPECIAL_TOKENS)] = 0.0
         if recipe.layer_output_scale != 1.0:
             for name, param in model.named_parameters():
-                if name.endswith(recipe.scaled_writers):
+                if not name.endswith(recipe.scaled_writers):
+                    continue
+                if recipe.writer_gain_offset:
+                    param.add_(recipe.writer_gain_offset).mul_(recipe.layer_output_scale)
+                    param.sub_(recipe.writer_gain_offset)
+                else:
                     param.mul_(recipe.layer_output_scale)
         if recipe.layer_marker_scale:
             _add_layer_markers(model, recipe.layer_marker_scale, code_dims)

@@ -36,6 +36,7 @@ from ..layer_ids import LayerIds
 
 __all__ = [
     "GENERIC",
+    "GENERIC_CONFIG_FIELDS",
     "DrafterAttention",
     "FamilyRegistrationError",
     "TargetFamily",
@@ -179,7 +180,7 @@ _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm")
 GENERIC = TargetFamily(name="generic", model_types=())
 
 # The config fields the generic path builds the drafter from.
-_GENERIC_FIELDS = (
+GENERIC_CONFIG_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -258,7 +259,7 @@ def generic_refusal(config: Any) -> str | None:
             "it uses multi-head latent attention (kv_lora_rank): its drafter must use MLA too, which a "
             'family module declares (drafter_attention="mla", as kernels/families/deepseek.py)'
         )
-    missing = [name for name in _GENERIC_FIELDS if config_value(inner, name, None) is None]
+    missing = [name for name in GENERIC_CONFIG_FIELDS if config_value(inner, name, None) is None]
     if missing:
         return f"its config has no {', '.join(missing)}"
     architectures = list(config_value(inner, "architectures", None) or [])
