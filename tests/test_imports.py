@@ -46,7 +46,19 @@ def _imported_names(module: str, file: Path) -> Iterator[tuple[str, int, bool]]:
     `from a import b` yields a, then a.b as a member (b may be a module or just a name in a).
     """
     is_package = file.name == "__init__.py"
-    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), filename=str(file))):
+    tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+    # Imports under `if TYPE_CHECKING:` never run: annotations only (a variant names the drafter it
+    # extends), not an edge of the import graph; lazy imports inside functions do count.
+    typing_only = {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for statement in node.body
+        for child in ast.walk(statement)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno, False

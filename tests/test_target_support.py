@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from draftloop.cli import app
 from draftloop.commands.run import bad_input_behind, one_line
 from draftloop.infra.engines.base import EngineConfigError
-from draftloop.infra.engines.doctor import refusals, vllm_class_support
+from draftloop.infra.engines.class_support import vllm_class_support
+from draftloop.infra.engines.doctor import refusals
 from draftloop.infra.targets.support import TargetRefusedError, check_target, target_model_config
 from draftloop.kernels.families.base import UnknownFamilyError
 
@@ -254,11 +255,8 @@ def test_doctor_refusals_list_what_the_cycle_would_refuse() -> None:
     )
     found = refusals(
         {
-            "family": {
-                "name": None,
-                "model_type": "gptj",
-                "refused": "no target family for model_type 'gptj'",
-            },
+            "target_refused": "no target family for model_type 'gptj'",
+            "family": {"name": None, "model_type": "gptj"},
             "eagle3": {"support": "unsupported", "class": "GPTJForCausalLM", "detail": "no SupportsEagle3"},
             "pairing": {"ok": False, "reason": "hidden size 64 vs 128"},
         }

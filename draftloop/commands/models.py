@@ -13,7 +13,7 @@ models_app = typer.Typer(help="Tiny random-weight targets built locally from a s
 
 @models_app.command("create")
 def create(
-    recipe: str = typer.Argument(..., help="Zoo recipe: tiny-llama or tiny-deepseek."),
+    recipe: str = typer.Argument(..., help="Zoo recipe (`draftloop models list` shows them all)."),
     out: Path = typer.Option(..., "--out", help="Folder to write the Hugging Face model into."),
     seed: int = typer.Option(0, "--seed", help="Same recipe and seed give byte-identical files."),
 ) -> None:

@@ -5,7 +5,7 @@ target (a registered module, or the generic decoder-only path when the config fi
 attention kind, and, for the generic path, the module layout itself: the model is built on the meta
 device from its config (no memory, no weights) and `TargetFamily.check_structure` finds its decoder
 layers, final norm, embeddings and head. `refuse_unsupported_target` adds, given the engine, whether it
-serves the target's class with EAGLE-3 (infra/engines/doctor.py reads that from its installed source).
+serves the target's class with EAGLE-3 (infra/engines/class_support.py reads that from its source).
 A target that fails is a `TargetRefusedError` whose one-line message names the model type and what to
 add; config validation (infra/runtime/config.py) turns it into a config error, so `config validate` and
 `run` refuse it before anything is created.
@@ -171,7 +171,7 @@ def refuse_unsupported_target(
 ) -> TargetSupport:
     """`check_target` for the config's target (reported under target.create while its recipe is not
     built), then, given the `engine`, whether it serves the target's class with EAGLE-3."""
-    from draftloop.infra.engines.doctor import eagle3_class_support
+    from draftloop.infra.engines.class_support import eagle3_class_support
 
     built = (Path(target.path) / "config.json").is_file()
     field = "target.path" if built or target.create is None else "target.create"

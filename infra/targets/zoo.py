@@ -3,7 +3,9 @@
 `create_tiny_model("tiny-llama", out_dir, seed)` writes an ordinary Hugging Face folder
 (config.json, generation_config.json, model.safetensors, tokenizer files with a chat template) that
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline and vLLM (CPU)
-serves. The same recipe and seed give byte-identical files.
+serves. The same recipe and seed give byte-identical files. The recipes themselves (one per target family:
+Llama, DeepSeek-V3, and Qwen3, OLMo-2 and Gemma 3, which no family module covers) are in
+infra/targets/recipes.py.
 
 Random weights at the usual initializer scale give degenerate greedy output (one token repeated, or
 the same text whatever the prompt). The recipes therefore reshape the initial weights so that the
