@@ -9,12 +9,12 @@ from typing import Any
 
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftloop.infra.extraction.tokenize import tokenize_conversation
 from draftloop.infra.runtime.ray_cluster import remote_options
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
 from draftloop.infra.synthesis.conversations import iter_conversations
+from draftloop.infra.targets.loaded import load_target
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
 from draftloop.kernels.shards import shard_chunks
@@ -45,14 +45,10 @@ class HiddenStateExtractor:
         device: str | None = None,
         trust_remote_code: bool = False,  # run the folder's own code: only for a target.trust_remote_code
     ) -> None:
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = getattr(torch, dtype)
-        self.target_path = target_path
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            target_path, dtype=self.dtype, trust_remote_code=trust_remote_code
-        )
-        self.model: Any = model.to(self.device).eval()
+        target = load_target(target_path, dtype, device, trust_remote_code)
+        self.device, self.dtype, self.target_path = target.device, target.dtype, target_path
+        self.tokenizer: Any = target.tokenizer
+        self.model: Any = target.model
         self.layer_ids = LayerIds(tuple(int(i) for i in aux_layer_ids), normalize_convention(convention)).to(
             "layer_input"
         )

@@ -7,7 +7,6 @@ from typing import Any
 
 import ray
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftloop.infra.runtime.ray_cluster import remote_options
 from draftloop.infra.synthesis.conversations import (
@@ -17,6 +16,7 @@ from draftloop.infra.synthesis.conversations import (
     split_reasoning,
     templated_prompt,
 )
+from draftloop.infra.targets.loaded import load_target
 
 
 class TargetGenerator:
@@ -29,15 +29,13 @@ class TargetGenerator:
         device: str | None = None,
         trust_remote_code: bool = False,  # run the folder's own code: only for a target.trust_remote_code
     ) -> None:
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+        target = load_target(target_path, dtype, device, trust_remote_code)
+        self.device = target.device
+        self.tokenizer: Any = target.tokenizer
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            target_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
-        )
-        self.model: Any = model.to(self.device).eval()
+        self.model: Any = target.model
 
     def generate(
         self,

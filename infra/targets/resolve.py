@@ -7,18 +7,16 @@ import json
 from pathlib import Path
 
 from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
-from draftloop.infra.targets.zoo import create_tiny_model
+from draftloop.infra.targets.zoo import ensure_model
 
 
 def ensure_target(config: ExperimentConfig) -> str:
-    """`target.path`, created from the zoo recipe `target.create` when it has no config.json yet."""
+    """`target.path`, built from the zoo recipe `target.create` when it is missing or was built from
+    another recipe or seed (the cache keys a zoo target by its recipe and seed alone)."""
     path = Path(config.target.path)
-    if (path / "config.json").exists():
-        return str(path)
-    if not config.target.create:
+    if not config.target.create and not (path / "config.json").exists():
         raise ConfigError("target.path", f"{path} has no config.json and target.create is not set")
-    create_tiny_model(config.target.create, path, seed=config.target.seed)
-    return str(path)
+    return str(ensure_model(path, config.target.create, seed=config.target.seed))
 
 
 def target_fingerprint(config: ExperimentConfig) -> str:

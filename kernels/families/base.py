@@ -24,14 +24,13 @@ what differs: MLA drafters, wrappers, engine patches, default layer ids.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import pkgutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import nn
 
+from ..discovery import import_package_modules
 from ..layer_ids import LayerIds
 
 __all__ = [
@@ -217,10 +216,7 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    package = __name__.rsplit(".", 1)[0]
-    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
-        if module.name != "base":
-            importlib.import_module(f"{package}.{module.name}")
+    import_package_modules(__name__.rsplit(".", 1)[0])
 
 
 def known_families() -> list[TargetFamily]:

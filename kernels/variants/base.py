@@ -18,13 +18,13 @@ variant, or a published config whose variant fields no variant reads, is refused
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+
+from ..discovery import import_package_modules
 
 if TYPE_CHECKING:
     from ..drafter import DrafterConfig, Eagle3Drafter
@@ -116,10 +116,7 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    package = __name__.rsplit(".", 1)[0]
-    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
-        if module.name != "base":
-            importlib.import_module(f"{package}.{module.name}")
+    import_package_modules(__name__.rsplit(".", 1)[0])
 
 
 def known_variants() -> list[DrafterVariant]:

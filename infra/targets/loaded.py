@@ -1,0 +1,30 @@
+"""The Hugging Face target loaded in one process: what the synthesis and extraction actors host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+@dataclass
+class LoadedTarget:
+    tokenizer: Any
+    model: Any  # in eval mode, on `device`
+    device: str
+    dtype: torch.dtype
+
+
+def load_target(target_path: str, dtype: str, device: str | None, trust_remote_code: bool) -> LoadedTarget:
+    """Tokenizer and model of `target_path` in `dtype` on `device` (CUDA when there is one).
+
+    `trust_remote_code` runs the folder's own code: only for a config's target.trust_remote_code."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        target_path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+    )
+    return LoadedTarget(tokenizer, model.to(device).eval(), device, torch_dtype)
