@@ -175,16 +175,18 @@ def test_a_slow_first_request_inflated_the_old_speedup_and_not_the_new_one(
 ) -> None:
     drafter = saved_drafter(served_target, tmp_path / "drafter")
     prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
-    # The old method: no warm-up, one pass. The baseline's first measured request absorbs the warm-up.
+    # The old method timed the first requests: no warm-up, one pass, and the baseline's first measured
+    # request absorbed the warm-up (the speedup came out above 2x the acceptance length, which the
+    # bounds catch as a measurement error). Now, even without warm-up rounds, the first requests are the
+    # untimed prompt pass (each prompt once, for outputs and counters), so the timed repeats never see it.
     old = evaluate(
         fake_engine(), evaluation_plan(max_tokens=8, repeats=1, warmup_rounds=0, concurrency=[1]),
         served_target, drafter, prompts, tmp_path / "old", simulator=_sim(0.4),
         start_server=_SlowFirstRequest(served_target, tmp_path / "old"),
     )  # fmt: skip
     (old_level,) = old.speedup_levels
-    assert old_level.speedup is not None
-    assert old_level.speedup > 2 * FAKE_AL  # the inflated figure the old report printed...
-    assert old_level.status == SPEEDUP_MEASUREMENT_ERROR  # ...which the bounds now catch
+    assert old_level.speedup is not None and old_level.speedup <= FAKE_AL, old_level
+    assert old_level.status != SPEEDUP_MEASUREMENT_ERROR, old_level.reasons
     # The new method: warm-up on both servers, repeats. Both fake servers are equally fast.
     new = evaluate(
         fake_engine(), evaluation_plan(max_tokens=8, repeats=3, min_seconds=0.3, concurrency=[1]),

@@ -62,8 +62,12 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
     assert report.verdict == VERDICT_OK, report.reasons
     assert set(report.speedup) == {1, 2} and all(v is not None and v > 0 for v in report.speedup.values())
     level = report.baseline.levels[0]
-    # Three repeats; the first sends every prompt once (the per-prompt records), the others `concurrency`.
-    assert [repeat.output_tokens for repeat in level.repeats] == [3 * 8, 8, 8]
+    # Three timed repeats of `concurrency` requests; before them the untimed prompt pass sent every prompt
+    # once (the per-prompt records, and the counters the engine's acceptance is read from).
+    assert [repeat.output_tokens for repeat in level.repeats] == [8, 8, 8]
+    assert len(report.speculative.outputs) == len(prompts) and report.baseline.prompt_pass_counters is None
+    assert report.speculative.prompt_pass_counters is not None
+    assert report.engine_acceptance["prompt_pass"] is True
     assert (
         level.ttft_s["p50"] is not None and level.tpot_s["p99"] is not None and level.itl_s["p90"] is not None
     )

@@ -132,8 +132,8 @@ class OpenLoopResult:
 
 @dataclass
 class ServerRun:
-    """One server's measurements. The per-prompt records come from its lowest concurrency level
-    (`reference_concurrency`), the level whose counters the consistency check compares."""
+    """One server's measurements. The per-prompt records and the counters the consistency check compares
+    come from its prompt pass: each prompt once at its lowest concurrency (`reference_concurrency`)."""
 
     name: str
     startup_s: float | None
@@ -148,6 +148,9 @@ class ServerRun:
     reference_concurrency: int | None = None
     open_loop: list[OpenLoopResult] = field(default_factory=list)
     warmup_requests: int = 0  # discarded before the first measured level
+    # SpecCounters.to_json() of the prompt pass (each prompt once, at `reference_concurrency`); None for a
+    # baseline, or a report written before the prompt pass existed.
+    prompt_pass_counters: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServerRun:
@@ -429,7 +432,7 @@ def benchmark_server(
     width = max([*levels, plan.open_loop_requests if plan.request_rates else 1])
 
     async def measure() -> tuple[
-        list[ConcurrencyResult], list[OpenLoopResult], dict[int, RequestResult], int
+        list[ConcurrencyResult], list[OpenLoopResult], dict[int, RequestResult], int, SpecCounters | None
     ]:
         client = _Client(
             server.base_url,
@@ -448,28 +451,38 @@ def benchmark_server(
                         client, prompt_ids, level, min_requests=level, min_output_tokens=0, min_seconds=0.0
                     )
                     warmup += len(discarded)
+            # The prompt pass: at the reference concurrency, each prompt exactly once. Its outputs are the
+            # per-prompt records (the lossless comparison, the simulator's replay) and its counters the
+            # engine's acceptance: a prompt mix no timing can change. The timed repeats follow.
+            before = engine.parse_metrics(server.metrics_text())
+            prompt_pass, _ = await _closed_loop(
+                client,
+                prompt_ids,
+                reference,
+                min_requests=len(prompt_ids),
+                min_output_tokens=0,
+                min_seconds=0.0,
+            )
+            failed = [r for r in prompt_pass if r.error is not None]
+            if failed:
+                raise RuntimeError(
+                    f"server {name!r}: {len(failed)} requests failed, first: {failed[0].error}"
+                )
+            by_index = {r.index: r for r in prompt_pass}
+            pass_counters = _counters_between(engine, before, server, prompt_pass)
             measured: list[ConcurrencyResult] = []
-            by_index: dict[int, RequestResult] = {}
             for level in levels:
                 before = engine.parse_metrics(server.metrics_text())
                 repeats = []
-                for repeat in range(max(1, plan.repeats)):
-                    first_pass = level == reference and repeat == 0
+                for _ in range(max(1, plan.repeats)):
                     results, duration = await _closed_loop(
                         client,
                         prompt_ids,
                         level,
-                        min_requests=max(level, len(prompt_ids)) if first_pass else level,
+                        min_requests=level,
                         min_output_tokens=plan.min_output_tokens,
                         min_seconds=plan.min_seconds,
                     )
-                    if first_pass:
-                        failed = [r for r in results if r.error is not None]
-                        if failed:
-                            raise RuntimeError(
-                                f"server {name!r}: {len(failed)} requests failed, first: {failed[0].error}"
-                            )
-                        by_index = {r.index: r for r in results if r.index < len(prompt_ids)}
                     repeats.append((results, duration))
                 every = [r for results, _ in repeats for r in results]
                 counters = _counters_between(engine, before, server, every)
@@ -477,11 +490,11 @@ def benchmark_server(
             open_loop = [
                 await _measure_rate(client, prompt_ids, float(rate), plan) for rate in plan.request_rates
             ]
-            return measured, open_loop, by_index, warmup
+            return measured, open_loop, by_index, warmup, pass_counters
         finally:
             await client.http.aclose()
 
-    measured, open_loop, by_index, warmup = asyncio.run(measure())
+    measured, open_loop, by_index, warmup, pass_counters = asyncio.run(measure())
     records = [by_index[i] for i in range(len(prompt_ids))]
     return ServerRun(
         name=name,
@@ -498,6 +511,9 @@ def benchmark_server(
         reference_concurrency=reference,
         open_loop=open_loop,
         warmup_requests=warmup,
+        prompt_pass_counters=(
+            pass_counters.to_json() if pass_counters is not None and pass_counters.num_drafts > 0 else None
+        ),
     )
 
 

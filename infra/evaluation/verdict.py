@@ -84,8 +84,11 @@ def compare_outputs(
 
 
 def engine_acceptance(run: ServerRun) -> dict[str, Any] | None:
-    """Counters of the first level that had drafts (lowest concurrency first: the level whose outputs
-    the run records per prompt, and the closest to the simulator's one-prompt-at-a-time decoding)."""
+    """Counters of the prompt pass (each prompt exactly once at the lowest concurrency: the outputs the
+    run records per prompt, the simulator's prompt mix); for a report without one, of the first level
+    that had drafts."""
+    if run.prompt_pass_counters is not None:
+        return dict(run.prompt_pass_counters, concurrency=run.reference_concurrency, prompt_pass=True)
     for level in sorted(run.levels, key=lambda lv: lv.concurrency):
         if level.counters is not None:
             return dict(level.counters, concurrency=level.concurrency)
@@ -128,8 +131,9 @@ def _rate(accepted: float, draft_tokens: float) -> float | None:
 def _prompt_mix(
     engine: Mapping[str, Any] | None, speculative: ServerRun, num_prompts: int
 ) -> list[int] | None:
-    """Requests per prompt behind the engine's counters (the level they were read from), if recorded."""
-    if engine is None:
+    """Requests per prompt behind the engine's counters (the level they were read from), if recorded;
+    None for the prompt pass (each prompt once, the simulator's own mix)."""
+    if engine is None or engine.get("prompt_pass"):
         return None
     for level in speculative.levels:
         if level.concurrency == engine.get("concurrency"):
