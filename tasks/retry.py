@@ -6,10 +6,13 @@ bugs and engines that logged a fatal pattern are not: they would fail the same w
 
 from __future__ import annotations
 
+import http.client
 from typing import Any
 
 import botocore.exceptions
 import httpx
+import requests
+import urllib3.exceptions
 from prefect import Task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
@@ -24,6 +27,12 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     httpx.TransportError,
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectionClosedError,
+    # A server that went away mid-response (the MLflow client's requests: "Connection broken:
+    # IncompleteRead"), not only one that refused the connection.
+    requests.exceptions.ConnectionError,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.ProtocolError,
+    http.client.IncompleteRead,
 )
 
 

@@ -145,6 +145,10 @@ def test_only_transient_failures_are_retried() -> None:
             return outer
 
     assert is_transient(raised_from(ConnectionError("S3 went away")))
+    # The MLflow server killed mid-response: the client's requests error, not a refused connection.
+    import urllib3.exceptions
+
+    assert is_transient(raised_from(urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead")))
     assert is_transient(EngineStartError("not ready within 600 s"))  # may come up next time
     assert not is_transient(EngineStartError("died", pattern="unsupported model type"))  # never will
     assert not is_transient(raised_from(ValueError("a bug")))

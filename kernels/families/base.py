@@ -189,7 +189,6 @@ GENERIC_CONFIG_FIELDS = (
 
 _FAMILIES: dict[str, TargetFamily] = {}
 _BY_MODEL_TYPE: dict[str, TargetFamily] = {}
-_discovered = False
 
 
 def register_family(family: TargetFamily) -> TargetFamily:
@@ -211,12 +210,7 @@ def register_family(family: TargetFamily) -> TargetFamily:
 
 
 def _discover() -> None:
-    """Import every module of this package once: each registers its family."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
-    import_package_modules(__name__.rsplit(".", 1)[0])
+    import_package_modules(__name__.rsplit(".", 1)[0])  # once: each module registers its family
 
 
 def known_families() -> list[TargetFamily]:

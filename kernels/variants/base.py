@@ -99,7 +99,6 @@ class DrafterVariant:
 
 
 _VARIANTS: dict[str, DrafterVariant] = {}
-_discovered = False
 
 
 def register_variant(variant: DrafterVariant) -> DrafterVariant:
@@ -111,12 +110,7 @@ def register_variant(variant: DrafterVariant) -> DrafterVariant:
 
 
 def _discover() -> None:
-    """Import every module of this package once: each registers its variant."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
-    import_package_modules(__name__.rsplit(".", 1)[0])
+    import_package_modules(__name__.rsplit(".", 1)[0])  # once: each module registers its variant
 
 
 def known_variants() -> list[DrafterVariant]:
