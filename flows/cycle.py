@@ -24,11 +24,11 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 from pydantic import BaseModel, Field
 
-from draftloop.flows.pipeline import CYCLE
+from draftloop.flows.pipeline import CYCLE, pipeline_for
 from draftloop.infra.registry.figures import format_figure
 from draftloop.infra.registry.runs import StageRun, Tracker, flatten_params
 from draftloop.infra.runtime import ray_cluster
-from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.infra.runtime.internals import ephemeral_prefect_server_pids
 from draftloop.infra.runtime.processes import PidRecord, pid_records_dir, reap_dead_records
 from draftloop.infra.runtime.redaction import install_log_redaction, redact, register_secrets, secret_values
@@ -211,11 +211,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 
 def run_cycle(
-    params: TrainAndEvalParams, until: str | None = None, pipeline: Pipeline = CYCLE
+    params: TrainAndEvalParams, until: str | None = None, pipeline: Pipeline | None = None
 ) -> dict[str, Any]:
     """The pipeline's stages up to and including `until` (default: all of them; the per-stage
-    deployments stop early)."""
-    stages = pipeline.until(until) if until else pipeline  # an unknown stage: before anything starts
+    deployments stop early). `pipeline`: the config's (`pipeline_for`) unless given."""
+    if until:  # an unknown stage: refused before anything starts
+        (pipeline or CYCLE).stage(until)
     install_log_redaction()
     logger = get_run_logger()
     reaped = reap_dead_records()  # what a killed earlier run left running (its driver is gone)
@@ -224,6 +225,14 @@ def run_cycle(
     _record_driver_services()
     started = time.perf_counter()
     config = params.load_config()
+    pipeline = pipeline or pipeline_for(config)
+    if until and until not in pipeline.names:
+        raise ConfigError(
+            "until",
+            f"stage {until!r} is not in this pipeline ({', '.join(pipeline.names)}): "
+            f"extraction.mode {config.extraction.mode} has no extract stage",
+        )
+    stages = pipeline.until(until) if until else pipeline
     run_id = _run_id()
     tracker = Tracker.from_config(config)
     ctx = CycleContext(config=config, run_id=run_id, tracker=tracker, run_uri=run_folder_uri(config, run_id))

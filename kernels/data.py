@@ -17,19 +17,19 @@ Shards: every epoch has one global order of samples that does not depend on the 
 Optimizer step k of the epoch trains samples ``order[k*S : (k+1)*S]`` (S samples per step). Ranks split
 the work by shard: inside each window, shards go to ranks by estimated tokens (longest-processing-time
 first), and a rank trains the samples of each step that come from its shards. Every sample is trained
-exactly once per epoch, by exactly one rank, and every rank reads only its own shards, lazily, on a
-background thread a bounded number of shards ahead. The shard reader is injected
-(``load_shard(name) -> samples``): kernels know nothing of storage.
+exactly once per epoch, by exactly one rank, and every rank reads only its own shards, lazily, a
+bounded number of shards ahead. The shard reader is injected: ``load_shard(name) -> samples`` (read on
+a background thread), or ``submit_shard(name) -> a callable that returns the samples`` (the reader
+starts the work itself, e.g. a remote producer, and the loop keeps ``prefetch_shards`` submitted
+ahead): kernels know nothing of storage or of where a shard is computed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import random
-import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -41,6 +41,7 @@ __all__ = [
     "InMemorySamples",
     "SampleKey",
     "ShardRef",
+    "ShardSubmit",
     "ShardedSamples",
     "StepShare",
     "TrainingData",
@@ -50,6 +51,8 @@ __all__ = [
 # (shard index in the dataset's shard list, sample index inside the shard)
 SampleKey = tuple[int, int]
 Samples = Sequence[Mapping[str, Tensor]]
+# Starts reading (or computing) one shard; the returned callable blocks until its samples are there.
+ShardSubmit = Callable[[str], Callable[[], Samples]]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class StepShare:
     step_samples: int  # samples of the whole step, over all ranks
     keys: list[SampleKey]  # this rank's samples, in global order
     samples: list[Mapping[str, Tensor]]
+    # Each of this rank's samples as one number 0..num_samples-1 (the same sample, the same number, in
+    # every epoch and for every worker count): what the loop counts to prove exactly-once training.
+    sample_ids: list[int]
 
 
 class TrainingData(Protocol):
@@ -116,7 +122,10 @@ class InMemorySamples:
             step = order[step_start : step_start + samples_per_step]
             mine = step if rank == 0 else []
             yield StepShare(
-                step_samples=len(step), keys=[(0, i) for i in mine], samples=[self.samples[i] for i in mine]
+                step_samples=len(step),
+                keys=[(0, i) for i in mine],
+                samples=[self.samples[i] for i in mine],
+                sample_ids=list(mine),
             )
 
 
@@ -165,6 +174,7 @@ class ShardedSamples:
         *,
         window_shards: int = 8,
         prefetch_shards: int = 2,
+        submit_shard: ShardSubmit | None = None,
     ) -> None:
         if not shards or not any(shard.num_samples for shard in shards):
             raise ValueError("no training samples")
@@ -172,8 +182,12 @@ class ShardedSamples:
             raise ValueError("window_shards and prefetch_shards must be at least 1")
         self.shards = list(shards)
         self.load_shard = load_shard
+        self.submit_shard = submit_shard
         self.window_shards = window_shards
         self.prefetch_shards = prefetch_shards
+        self.first_sample_id = [0] * len(self.shards)  # each shard's first sample id
+        for index in range(1, len(self.shards)):
+            self.first_sample_id[index] = self.first_sample_id[index - 1] + self.shards[index - 1].num_samples
 
     @property
     def num_samples(self) -> int:
@@ -219,7 +233,7 @@ class ShardedSamples:
         reads = list(dict.fromkeys(shard for shard, _ in mine))  # first-use order
         loaded: dict[int, Samples] = {}
         with _ShardPrefetcher(
-            self.load_shard, [self.shards[s].name for s in reads], self.prefetch_shards
+            self.load_shard, self.submit_shard, [self.shards[s].name for s in reads], self.prefetch_shards
         ) as prefetcher:
             for step_start in range(start, len(order), samples_per_step):
                 step_keys = order[step_start : step_start + samples_per_step]
@@ -232,54 +246,58 @@ class ShardedSamples:
                     remaining[shard] -= 1
                     if not remaining[shard]:
                         del loaded[shard]  # the step's own references keep what it still needs
-                yield StepShare(step_samples=len(step_keys), keys=keys, samples=samples)
+                yield StepShare(
+                    step_samples=len(step_keys),
+                    keys=keys,
+                    samples=samples,
+                    sample_ids=[self.first_sample_id[shard] + index for shard, index in keys],
+                )
 
 
 class _ShardPrefetcher:
-    """Reads ``names`` in order on a background thread, at most ``depth`` shards ahead of the consumer
-    (plus the one being read)."""
+    """Hands out ``names``' samples in order with at most ``depth`` shards submitted ahead of the consumer
+    (plus the one it waits on): through ``submit`` when given, else ``load`` on one background thread."""
 
-    def __init__(self, load: Callable[[str], Samples], names: Sequence[str], depth: int) -> None:
-        self._load = load
-        self._names = list(names)
-        self._queue: queue.Queue[tuple[str, Samples | None, BaseException | None]] = queue.Queue(depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
+    def __init__(
+        self, load: Callable[[str], Samples], submit: ShardSubmit | None, names: Sequence[str], depth: int
+    ) -> None:
+        self._names = deque(names)
+        self._depth = depth
+        self._pool: ThreadPoolExecutor | None = None
+        if submit is None:
+            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
+
+            def submit(name: str) -> Callable[[], Samples]:
+                return pool.submit(load, name).result
+
+        self._submit = submit
+        self._pending: deque[tuple[str, Callable[[], Samples]]] = deque()
 
     def __enter__(self) -> _ShardPrefetcher:
-        self._thread.start()
+        self._top_up()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._stop.set()
-        while self._thread.is_alive():
-            with contextlib.suppress(queue.Empty):  # unblock a pending put
-                self._queue.get(timeout=0.05)
-        self._thread.join()
+        self._pending.clear()  # (a remote reader's results are dropped with their references)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _run(self) -> None:
-        for name in self._names:
-            if self._stop.is_set():
-                return
-            try:
-                item: tuple[str, Samples | None, BaseException | None] = (name, self._load(name), None)
-            except BaseException as error:  # handed to the consumer, raised there
-                item = (name, None, error)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.05)
-                    break
-                except queue.Full:
-                    continue
-            if item[2] is not None:
-                return
+    def _top_up(self) -> None:
+        while self._names and len(self._pending) <= self._depth:
+            name = self._names.popleft()
+            self._pending.append((name, self._submit(name)))
 
     def next(self, expected: str) -> Samples:
-        name, samples, error = self._queue.get()
-        if error is not None:
-            raise RuntimeError(f"reading shard {name!r} failed: {error}") from error
-        if name != expected or samples is None:
+        if not self._pending:
+            raise RuntimeError(f"shard prefetch out of order: nothing pending, expected {expected!r}")
+        name, result = self._pending.popleft()
+        if name != expected:
             raise RuntimeError(f"shard prefetch out of order: got {name!r}, expected {expected!r}")
+        try:
+            samples = result()
+        except BaseException as error:
+            raise RuntimeError(f"reading shard {name!r} failed: {error}") from error
+        self._top_up()
         return samples

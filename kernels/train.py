@@ -24,7 +24,7 @@ from .distributed import sum_across_ranks, sum_gradients_across_ranks
 from .drafter import Eagle3Drafter
 from .objective import draft_target_head, sample_ttt_tokens, ttt_loss
 from .packing import collate_rows, pack_first_fit_decreasing, sample_length
-from .train_state import EpochTally, StepSums, TrainState, cpu_copy
+from .train_state import EpochTally, StepSums, TrainedCounts, TrainState, cpu_copy
 
 __all__ = [
     "LrSchedule",
@@ -303,11 +303,16 @@ def train_drafter(
     """
     total_steps = math.ceil(data.num_samples / cfg.samples_per_step) * cfg.epochs
     run = TrainingRun.start(drafter, target_head, cfg, torch.device(device), world, total_steps)
-    state = TrainState.resumed(resume_state, run.optimizer, run.scheduler) if resume_state else TrainState()
+    state = (
+        TrainState.resumed(resume_state, run.optimizer, run.scheduler, rank) if resume_state else TrainState()
+    )
 
     def checkpoint() -> None:
-        if on_checkpoint is not None:  # a CPU copy: the optimizer updates its state tensors in place
-            on_checkpoint(cpu_copy(state.resume_state(run.optimizer, run.scheduler)))
+        if on_checkpoint is None:
+            return
+        trained = state.trained.summed(world) if state.trained is not None else None  # (all ranks)
+        # A CPU copy: the optimizer updates its state tensors in place.
+        on_checkpoint(cpu_copy(state.resume_state(run.optimizer, run.scheduler, trained)))
 
     progress = _progress(total_steps - state.global_step, cfg.show_progress, "train drafter")
     try:
@@ -315,11 +320,13 @@ def train_drafter(
             if state.consumed == 0:
                 torch.manual_seed(cfg.seed + state.epoch)
                 state.tally = EpochTally.empty(cfg.ttt_length)
+            if state.trained is None:  # (a resume state from before the counts: they start here)
+                state.trained = TrainedCounts(data.num_samples)
             for share in data.rank_steps(
                 state.epoch, cfg.seed, cfg.samples_per_step, state.consumed, rank, world
             ):
                 record = run.train_step(share, state.global_step + 1, state.epoch)
-                state.step_done(record, share.step_samples)
+                state.step_done(record, share.step_samples, share.sample_ids)
                 if on_step is not None:
                     on_step(state.global_step, record)
                 if progress is not None:
@@ -328,7 +335,7 @@ def train_drafter(
                 every = cfg.checkpoint_every_steps
                 if every and state.global_step % every == 0 and state.consumed < data.num_samples:
                     checkpoint()  # (the epoch's last step checkpoints just below)
-            summary = state.epoch_done()
+            summary = state.epoch_done(world)
             if on_epoch is not None:
                 on_epoch(summary["epoch"], summary)
             checkpoint()

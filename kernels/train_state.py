@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .distributed import sum_across_ranks
 
-__all__ = ["EpochTally", "StepSums", "TrainState", "cpu_copy"]
+__all__ = ["EpochTally", "StepSums", "TrainState", "TrainedCounts", "cpu_copy"]
 
 
 class StepSums:
@@ -92,6 +92,34 @@ class EpochTally:
         }
 
 
+class TrainedCounts:
+    """How many times each sample (by `StepShare.sample_ids`) was trained in the current epoch: what
+    proves exactly-once training across faults and resumes. Each rank counts its own samples; the sum
+    over ranks is the epoch's count (a resume state carries that sum, restored on one rank only)."""
+
+    def __init__(self, num_samples: int, counts: Tensor | None = None) -> None:
+        self.counts = counts.clone() if counts is not None else torch.zeros(num_samples, dtype=torch.int64)
+        if self.counts.numel() != num_samples:
+            raise ValueError(f"trained counts of {self.counts.numel()} samples for data of {num_samples}")
+
+    def add(self, sample_ids: list[int]) -> None:
+        if sample_ids:
+            ids = torch.tensor(sample_ids, dtype=torch.int64)
+            self.counts += torch.bincount(ids, minlength=self.counts.numel())
+
+    def summed(self, world: int) -> Tensor:
+        """The counts over every rank (a collective when ``world`` > 1: every rank calls it)."""
+        total = self.counts.clone()
+        sum_across_ranks([total], world)
+        return total
+
+    @staticmethod
+    def histogram(total: Tensor) -> dict[str, int]:
+        """{times trained: samples}, e.g. {"1": 240} when every sample was trained exactly once."""
+        times, samples = torch.unique(total, return_counts=True)
+        return {str(int(t)): int(n) for t, n in zip(times.tolist(), samples.tolist(), strict=True)}
+
+
 @dataclass
 class TrainState:
     """The loop's position and records. ``epoch`` and ``consumed``: the next sample of that epoch's global
@@ -103,12 +131,14 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per optimizer step
     epochs: list[dict[str, Any]] = field(default_factory=list)  # one summary per epoch
     tally: EpochTally = field(default_factory=EpochTally)
+    trained: TrainedCounts | None = None  # this epoch's, from its first step (or the resume) on
 
     @classmethod
     def resumed(
-        cls, resume: Mapping[str, Any], optimizer: torch.optim.Optimizer, scheduler: Any
+        cls, resume: Mapping[str, Any], optimizer: torch.optim.Optimizer, scheduler: Any, rank: int = 0
     ) -> TrainState:
-        """Restore ``resume`` (a `resume_state`): the optimizer, scheduler and RNG states are loaded."""
+        """Restore ``resume`` (a `resume_state`): the optimizer, scheduler and RNG states are loaded; the
+        epoch's trained counts (a sum over ranks) on rank 0 only, so that the next sum stays one."""
         # A copy: the optimizer updates its state tensors in place, and the caller may share them.
         optimizer.load_state_dict(cpu_copy(resume["optimizer"]))
         scheduler.load_state_dict(resume["scheduler"])
@@ -120,24 +150,35 @@ class TrainState:
             epochs=list(resume["epochs"]),
             tally=EpochTally(**resume["epoch_tally"]),
         )
+        counts = resume.get("trained_counts")
+        if counts is not None:
+            state.trained = TrainedCounts(counts.numel(), counts if rank == 0 else torch.zeros_like(counts))
         torch.set_rng_state(resume["rng"])
         return state
 
-    def step_done(self, record: dict[str, Any], step_samples: int) -> None:
+    def step_done(self, record: dict[str, Any], step_samples: int, sample_ids: list[int]) -> None:
+        if self.trained is not None:
+            self.trained.add(sample_ids)
         self.global_step += 1
         self.consumed += step_samples
         self.history.append(record)
         self.tally.add(record)
 
-    def epoch_done(self) -> dict[str, Any]:
+    def epoch_done(self, world: int) -> dict[str, Any]:
         """Close the epoch: its summary (recorded), and the position moves to the next epoch's start."""
         summary = self.tally.summary(self.epoch, self.global_step)
+        if self.trained is not None:
+            summary["trained_per_sample"] = TrainedCounts.histogram(self.trained.summed(world))
+            self.trained = None
         self.epochs.append(summary)
         self.epoch, self.consumed = self.epoch + 1, 0
         return summary
 
-    def resume_state(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-        """Everything a run needs to continue from here (live tensors: `cpu_copy` it to keep it)."""
+    def resume_state(
+        self, optimizer: torch.optim.Optimizer, scheduler: Any, trained_counts: Tensor | None = None
+    ) -> dict[str, Any]:
+        """Everything a run needs to continue from here (live tensors: `cpu_copy` it to keep it);
+        ``trained_counts``: the epoch's counts summed over ranks (`TrainedCounts.summed`)."""
         return {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -148,6 +189,7 @@ class TrainState:
             "history": self.history,
             "epochs": self.epochs,
             "epoch_tally": asdict(self.tally),
+            "trained_counts": trained_counts,
         }
 
 

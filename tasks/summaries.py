@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from draftloop.infra.registry.gate import CycleResults
+from draftloop.tasks.stage import Figure
 
 
 class SynthesisSummary(BaseModel):
@@ -50,6 +51,32 @@ class ExtractionSummary(BaseModel):
     tokens_per_s: float | None
 
 
+class StreamSummary(BaseModel):
+    """What the online train stage streamed: producers, bytes in flight and in the object store, what
+    was stored (hybrid) and what was recomputed."""
+
+    mode: str
+    backend: str
+    producers: int
+    shards: int
+    samples: int
+    skipped: int  # conversations with no assistant token within data.max_length
+    asked_ahead_per_worker: int
+    max_bytes_in_flight: int
+    peak_object_store_bytes: int
+    object_store_bytes: int
+    spilled_bytes: int  # 0 expected: the cap keeps the stream inside the store
+    target_forward_passes: int  # samples the producers computed (every epoch, held-out, retries)
+    produced_shards: int
+    hidden_state_bytes_stored: int  # 0 online; hybrid: the cached shards, at most the budget
+    storage_budget: int | None
+    budget_for_zero_recompute: int  # a budget this large would store every shard once
+    cache_uri: str | None
+    bytes_received: int | None = None  # by the trainers, from the producers
+    bytes_from_other_nodes: int | None = None  # crossed between Ray nodes' object stores
+    bytes_read_from_cache: int | None = None
+
+
 class TrainingSummary(BaseModel):
     """The train manifest's summary."""
 
@@ -71,6 +98,22 @@ class TrainingSummary(BaseModel):
     held_out_acceptance_length: list[float]
     exported_epoch: int
     exported_held_out_acceptance_length: float | None
+    # {times trained: samples} per epoch over every worker and resume ({"1": N}: exactly once)
+    trained_per_sample: list[dict[str, int]] | None = None
+    extraction_mode: str = "offline"
+    stream: StreamSummary | None = None  # online / hybrid
+
+
+# What people see of either train stage (offline, online).
+TRAINING_FIGURES = (
+    Figure("epochs", "epochs"),
+    Figure("final_loss", "final loss"),
+    Figure("loss_per_epoch", "loss per epoch"),
+    Figure("final_accuracy", "final accuracy"),
+    Figure("held_out_acceptance_length", "held-out AL per epoch"),
+    Figure("exported_epoch", "exported epoch"),
+    Figure("tokens_per_s", "tokens/s"),
+)
 
 
 class EvaluationSummary(BaseModel):

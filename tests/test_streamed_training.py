@@ -21,6 +21,7 @@ from synthetic_training import LAYERS, TARGET, new_drafter, synthetic_samples, t
 
 from draftloop.infra.training.best_epoch import BEST_WEIGHTS
 from draftloop.infra.training.job import TrainingJob
+from draftloop.infra.training.sources import StoredHiddenStates
 from draftloop.kernels.data import (
     InMemorySamples,
     SampleKey,
@@ -223,8 +224,7 @@ def _worker_job(root: Path, work: str, held_out: int = 0) -> TrainingJob:
     from draftloop.infra.runtime.storage import read_manifest
 
     return TrainingJob(
-        manifest=read_manifest(str(root / "hidden")),
-        storage_options={},
+        hidden=StoredHiddenStates(read_manifest(str(root / "hidden")), {}),
         target_path=str(root / "target"),
         aux_layer_ids=LAYERS,
         draft_vocab_size=32,

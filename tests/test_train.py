@@ -265,6 +265,7 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
 def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from draftloop.infra.runtime.storage import Manifest
     from draftloop.infra.training.job import TrainingJob
+    from draftloop.infra.training.sources import StoredHiddenStates
     from draftloop.infra.training.worker import _build_drafter
 
     model = copy.deepcopy(target_and_samples[0])
@@ -272,8 +273,9 @@ def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples
         model.model.norm.weight.uniform_(0.5, 2.0)  # a trained target's norm is not ones
     model.save_pretrained(tmp_path / "target")
     job = TrainingJob(
-        manifest=Manifest(stage="extract", uri=str(tmp_path / "hidden"), shards=[], created_at=""),
-        storage_options={},
+        hidden=StoredHiddenStates(
+            Manifest(stage="extract", uri=str(tmp_path / "hidden"), shards=[], created_at=""), {}
+        ),
         target_path=str(tmp_path / "target"),
         aux_layer_ids=LAYERS,
         draft_vocab_size=None,

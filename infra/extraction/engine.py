@@ -113,7 +113,7 @@ class EngineExtractionResult:
     seconds: float = 0.0
 
 
-async def _request_all(
+async def request_hidden_states(
     engine: Engine,
     base_url: str,
     model: str,
@@ -174,7 +174,9 @@ def extract_through_server(
             continue
         kept.append((row, ids, mask))
     final_norm = load_final_norm(target_dir, dtype, trust_remote_code=trust_remote_code)
-    replies = asyncio.run(_request_all(engine, base_url, model, [ids for _, ids, _ in kept], concurrency))
+    replies = asyncio.run(
+        request_hidden_states(engine, base_url, model, [ids for _, ids, _ in kept], concurrency)
+    )
     metadata = shard_metadata(
         aux_layer_ids,
         str(target_dir),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from draftloop.infra.synthesis.conversations import iter_conversations
 from draftloop.infra.targets.loaded import load_target
 from draftloop.kernels.extract import extract_hidden_states
 from draftloop.kernels.layer_ids import LayerIds, normalize_convention
-from draftloop.kernels.shards import shard_chunks
+from draftloop.kernels.shards import shard_chunks, shard_to_bytes
 
 _SKIP_EXAMPLES = 3
 
@@ -94,29 +94,13 @@ class HiddenStateExtractor:
         skipped = 0
         skip_examples: list[dict[str, str]] = []
 
-        def batches() -> Iterator[list[dict[str, Any]]]:
+        def on_skip(row: dict[str, Any]) -> None:
             nonlocal skipped
-            batch: list[dict[str, Any]] = []
-            for row in conversations:
-                ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
-                if sum(mask) == 0:
-                    skipped += 1
-                    if len(skip_examples) < _SKIP_EXAMPLES:
-                        skip_examples.append(
-                            {"id": row["id"], "reason": "no assistant tokens within data.max_length"}
-                        )
-                    continue
-                batch.append(
-                    {
-                        "input_ids": torch.tensor(ids, dtype=torch.long),
-                        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                    }
+            skipped += 1
+            if len(skip_examples) < _SKIP_EXAMPLES:
+                skip_examples.append(
+                    {"id": row["id"], "reason": "no assistant tokens within data.max_length"}
                 )
-                if len(batch) == batch_size:
-                    yield batch
-                    batch = []
-            if batch:
-                yield batch
 
         # Never commits: the driver adopts these shards into its own writer and writes the manifest.
         writer = DatasetWriter(dataset_uri, storage_options=options)
@@ -127,7 +111,7 @@ class HiddenStateExtractor:
 
         stats = extract_hidden_states(
             self.model,
-            batches(),
+            self.batches(conversations, max_length, batch_size, on_skip),
             self.layer_ids,
             sink,
             target_name=self.target_path,
@@ -142,6 +126,59 @@ class HiddenStateExtractor:
             skip_examples=skip_examples,
             seconds=stats.seconds,
         )
+
+    def batches(
+        self,
+        conversations: Iterable[dict[str, Any]],
+        max_length: int,
+        batch_size: int,
+        on_skip: Callable[[dict[str, Any]], None],
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The conversations tokenized (chat template, assistant mask) in forward batches of
+        `batch_size`; one with no assistant token within `max_length` goes to `on_skip` instead."""
+        batch: list[dict[str, Any]] = []
+        for row in conversations:
+            ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
+            if sum(mask) == 0:
+                on_skip(row)
+                continue
+            batch.append(
+                {
+                    "input_ids": torch.tensor(ids, dtype=torch.long),
+                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                }
+            )
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def capture_shard(
+        self, conversations: Sequence[dict[str, Any]], max_length: int, batch_size: int = 4
+    ) -> tuple[bytes, int]:
+        """(one shard's bytes, its tokens) for `conversations`, kept in memory: the online path's unit.
+        The same forward batches, capture and shard format as :meth:`extract`."""
+        captured: list[bytes] = []
+
+        def sink(name: str, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
+            captured.append(shard_to_bytes(tensors, metadata))
+
+        def refuse(row: dict[str, Any]) -> None:
+            raise ValueError(f"conversation {row['id']!r} has no assistant tokens within {max_length}")
+
+        stats = extract_hidden_states(
+            self.model,
+            self.batches(conversations, max_length, batch_size, refuse),
+            self.layer_ids,
+            sink,
+            target_name=self.target_path,
+            samples_per_shard=len(conversations),
+            store_dtype=self.dtype,
+        )
+        if len(captured) != 1:
+            raise RuntimeError(f"capture of {len(conversations)} conversations gave {len(captured)} shards")
+        return captured[0], stats.tokens
 
 
 def remote_hidden_state_extractor(num_gpus: float) -> Any:

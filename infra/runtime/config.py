@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -112,11 +113,28 @@ class ExtractionConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_actors: int = Field(default=1, ge=1)
     num_gpus_per_actor: float = Field(default=0, ge=0)
+    # offline: the extract stage stores every hidden state; online: no extract stage, the train stage
+    # streams them from producer actors to its workers through Ray's object store, none stored; hybrid:
+    # online, and epoch 0 also stores shards up to storage_budget, which later epochs read back.
+    mode: Literal["offline", "online", "hybrid"] = "offline"
+    storage_budget: ByteSize | None = None  # hybrid only: bytes of hidden states it may store ("200GB")
+    # online/hybrid: bytes produced and not yet trained; null = a quarter of Ray's object store
+    max_bytes_in_flight: ByteSize | None = None
+    # online/hybrid: a custom Ray resource of the nodes that hold the target: producers run there only
+    producer_resource: str | None = None
 
     @field_validator("layer_id_convention")
     @classmethod
     def _known_convention(cls, value: str) -> str:
         return convention_for(value)
+
+    @model_validator(mode="after")
+    def _budget_only_for_hybrid(self) -> ExtractionConfig:
+        if self.mode == "hybrid" and self.storage_budget is None:
+            raise ValueError("storage_budget: mode hybrid needs a storage budget (bytes, e.g. '200GB')")
+        if self.mode != "hybrid" and self.storage_budget is not None:
+            raise ValueError(f"storage_budget: only mode hybrid stores under a budget (mode is {self.mode})")
+        return self
 
 
 AdamBeta = Annotated[float, Field(ge=0, lt=1)]
@@ -518,11 +536,18 @@ class ExperimentConfig(_Section):
             raise KeyError(f"unknown config section {name!r}")
         value = getattr(self, name)
         dumped = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        for placement in _PLACEMENT_FIELDS.get(name, ()):  # where it runs, not what it computes
+            dumped.pop(placement, None)
         canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Fields that say where work runs, not what it computes: left out of the section's hash, so that a
+# training resumes from its checkpoints on another number of workers (its steps do not depend on it).
+_PLACEMENT_FIELDS = {"training": ("num_workers", "num_gpus_per_worker")}
 
 
 # ---------------------------------------------------------------------------------------------

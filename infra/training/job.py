@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from draftloop.infra.runtime.config import ExperimentConfig
-from draftloop.infra.runtime.storage import Manifest, StorageOptions, storage_options
+from draftloop.infra.runtime.storage import Manifest, storage_options
+from draftloop.infra.training.sources import HiddenStates, StoredHiddenStates
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import TrainConfig
 
@@ -26,8 +27,7 @@ _NOT_FROM_SECTION = ("max_length", "show_progress")
 class TrainingJob:
     """What every training worker of one train stage needs."""
 
-    manifest: Manifest  # the extracted hidden states
-    storage_options: StorageOptions
+    hidden: HiddenStates  # the extracted shards, or the producers that compute them on request
     target_path: str
     aux_layer_ids: LayerIds  # the extracted ones (layer_input), the drafter's fused layers
     draft_vocab_size: int | None  # None: the target's vocabulary
@@ -46,12 +46,13 @@ class TrainingJob:
     def from_config(
         cls,
         config: ExperimentConfig,
-        hidden_manifest: Manifest,
+        hidden: Manifest | HiddenStates,
         work_dir: Path,
         drafter_metadata: Mapping[str, Any],
     ) -> TrainingJob:
-        """The job of ``config``'s train stage over the hidden states of ``hidden_manifest`` (their aux
-        layer ids are the ones extraction recorded), checkpointing under ``work_dir``."""
+        """The job of ``config``'s train stage over ``hidden``: the extract stage's manifest (the aux
+        layer ids are the ones it recorded), or the stream (the config's), checkpointing under
+        ``work_dir``."""
         section = config.training
         shared = {
             f.name: getattr(section, f.name)
@@ -63,12 +64,15 @@ class TrainingJob:
             max_length=int(config.data.max_length),
             show_progress=False,
         )
-        extracted_ids = tuple(int(i) for i in hidden_manifest.summary["aux_layer_ids"])
+        if isinstance(hidden, Manifest):
+            extracted = LayerIds(tuple(int(i) for i in hidden.summary["aux_layer_ids"]), "layer_input")
+            hidden = StoredHiddenStates(hidden, storage_options(config))
+        else:
+            extracted = config.aux_layer_ids_internal()
         return cls(
-            manifest=hidden_manifest,
-            storage_options=storage_options(config),
+            hidden=hidden,
             target_path=str(config.target.path),
-            aux_layer_ids=LayerIds(extracted_ids, "layer_input"),
+            aux_layer_ids=extracted,
             draft_vocab_size=section.draft_vocab_size,
             drafter_init=section.drafter_init,
             init_norm_from_target=bool(section.init_norm_from_target),

@@ -23,14 +23,18 @@ import torch
 import torch.distributed as dist
 
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.runtime.storage import Manifest, StorageOptions, read_shard
 from draftloop.infra.training.best_epoch import BestEpoch, exported_epoch
 from draftloop.infra.training.job import TrainingJob
+from draftloop.infra.training.sources import (
+    TRAFFIC_FIELDS,
+    StreamTraffic,
+    WorkerData,
+    sample_count,
+    worker_data,
+)
 from draftloop.kernels.checkpoint import load_drafter
-from draftloop.kernels.data import ShardedSamples, ShardRef, split_held_out
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.files import load_target_head
-from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
 from draftloop.kernels.simulate import teacher_forced_acceptance
 from draftloop.kernels.train import train_drafter
 from draftloop.kernels.vocab import build_draft_vocab, count_tokens
@@ -46,48 +50,17 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _hidden_shards(
-    manifest: Manifest, options: StorageOptions, window_shards: int, prefetch_shards: int, held_out: int
-) -> tuple[ShardedSamples, Callable[[], list[Sample]]]:
-    """The dataset's training shards, each read (integrity-checked) only when training needs it, and a
-    reader of the `held_out` samples kept out of them (for the per-epoch acceptance estimate)."""
-
-    def read_samples(name: str) -> list[Sample]:
-        tensors, _ = shard_from_bytes(read_shard(manifest, name, options))
-        return [{k: v.clone() for k, v in sample.items()} for sample in iter_hidden_samples(tensors)]
-
-    # A shard's size stands in for its tokens when shards are split between workers.
-    shards = [
-        ShardRef(info.name, info.rows, info.size)
-        for info in manifest.shards
-        if info.name.endswith(".safetensors")
-    ]
-    training, plan = split_held_out(shards, held_out, seed=0)
-    kept = {shard.name: shard.num_samples for shard in training}
-
-    def load_training(name: str) -> list[Sample]:
-        return read_samples(name)[: kept[name]]
-
-    def load_held_out() -> list[Sample]:
-        return [s for name, count in plan.per_shard.items() for s in read_samples(name)[-count:]]
-
-    data = ShardedSamples(
-        training, load_training, window_shards=window_shards, prefetch_shards=prefetch_shards
-    )
-    return data, load_held_out
-
-
 def held_out_count(num_samples: int, requested: int) -> int:
     """Samples held out for the per-epoch acceptance estimate: as requested, at most a tenth of the data."""
     return min(requested, num_samples // 10)
 
 
-def _draft_vocab_counts(data: ShardedSamples, vocab_size: int, rank: int, world: int) -> torch.Tensor:
-    """Assistant-token counts over the whole dataset (each worker counts every world-th shard)."""
+def _draft_vocab_counts(data: WorkerData, vocab_size: int, rank: int, world: int) -> torch.Tensor:
+    """Assistant-token counts over the training samples (each worker counts every world-th shard)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for index, shard in enumerate(data.shards):
+    for index, shard in enumerate(data.samples.shards):
         if index % world == rank:
-            samples = data.load_shard(shard.name)
+            samples = data.load_tokens(shard.name)
             counts += count_tokens(
                 (s["input_ids"] for s in samples), vocab_size, (s["loss_mask"].long() for s in samples)
             )
@@ -97,7 +70,7 @@ def _draft_vocab_counts(data: ShardedSamples, vocab_size: int, rank: int, world:
 
 
 def _build_drafter(
-    job: TrainingJob, data: ShardedSamples | None, rank: int, world: int
+    job: TrainingJob, data: WorkerData | None, rank: int, world: int
 ) -> tuple[Eagle3Drafter, torch.Tensor]:
     """(drafter with embeddings attached, target lm_head) — fresh from the target, or `drafter_init`."""
     embed, lm_head, final_norm = load_target_head(job.target_path)
@@ -143,15 +116,10 @@ def train_worker(
 
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
-    total = sum(info.rows for info in job.manifest.shards if info.name.endswith(".safetensors"))
-    data, load_held_out = _hidden_shards(
-        job.manifest,
-        job.storage_options,
-        job.shuffle_window_shards,
-        job.prefetch_shards,
-        held_out_count(total, job.held_out_samples),
-    )
-    drafter, lm_head = _build_drafter(job, data, rank, world)
+    held_out_samples = held_out_count(sample_count(job.hidden), job.held_out_samples)
+    source = worker_data(job.hidden, job.shuffle_window_shards, job.prefetch_shards, held_out_samples, rank)
+    data = source.samples
+    drafter, lm_head = _build_drafter(job, source, rank, world)
     work = job.work_dir
     resume_state = None
     resumed_from = None
@@ -168,7 +136,7 @@ def train_worker(
 
     # Rank 0 estimates acceptance on the held-out samples after every epoch and keeps the best epoch's
     # weights: that epoch is exported (infra/training/best_epoch.py).
-    held_out = load_held_out() if rank == 0 else []
+    held_out = source.load_held_out() if rank == 0 else []
     best = BestEpoch.load(work) if checkpoint is not None else BestEpoch()
     head_on_device = lm_head.to(device) if held_out else lm_head
 
@@ -211,6 +179,7 @@ def train_worker(
         resume_state=resume_state,
     )
     seconds = time.perf_counter() - started
+    traffic = _summed_traffic(source.traffic, world)
     if rank == 0:
         final = work / "final"
         shutil.rmtree(final, ignore_errors=True)
@@ -245,7 +214,18 @@ def train_worker(
                     "best_epoch": best.epoch,
                     "best_held_out_acceptance_length": best.length,
                     "exported_epoch": epoch,
+                    "stream": traffic,
                 }
             )
         )
     report({"done": 1})
+
+
+def _summed_traffic(traffic: StreamTraffic | None, world: int) -> dict[str, int] | None:
+    """What the workers received from the producers, summed over workers (None: stored shards)."""
+    if traffic is None:
+        return None
+    totals = traffic.as_tensor()
+    if world > 1:
+        dist.all_reduce(totals)
+    return dict(zip(TRAFFIC_FIELDS, (int(v) for v in totals.tolist()), strict=True))
