@@ -90,6 +90,7 @@ class TrainingSummary(BaseModel):
     loss_per_epoch: list[float]
     final_accuracy: list[float] | float | None
     resumed_from_epoch: int | None
+    resumed_at_sample: int | None = None  # the position in that epoch's sample order
     workers: int
     seconds: float
     tokens_per_s: float | None

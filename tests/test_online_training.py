@@ -51,7 +51,7 @@ class Case:
     pids: PidRecord
 
 
-def _config(target: Path, root: Path, **extraction: Any) -> ExperimentConfig:
+def _config(target: Path, root: Path, workers: int = 1, **extraction: Any) -> ExperimentConfig:
     raw = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
     raw["target"]["path"] = str(target)
     raw["storage"]["root"] = str(root / "runs")
@@ -66,6 +66,7 @@ def _config(target: Path, root: Path, **extraction: Any) -> ExperimentConfig:
             "held_out_samples": 2,
             "draft_vocab_size": 48,  # counted from the data: the producers' token-only path
             "checkpoint_every_steps": 1,
+            "num_workers": workers,
         }
     )
     return ExperimentConfig.from_dict(raw, check_environment=False)
@@ -206,3 +207,72 @@ def test_hybrid_stores_at_most_its_budget_and_reads_it_back(case: Case, online: 
     assert produced <= EPOCHS * SAMPLES + SHARD - (EPOCHS - 1) * cached * 2
     _trained_once(result)
     _same_training(result, online, tolerance=0.0)
+
+
+# --------------------------------------------------------------------- through Ray Train (the stage's way)
+
+
+def _ray_train_workers() -> list[int]:
+    """PIDs of live Ray Train worker processes (their process title names the actor)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                command = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"RayTrainWorker" in command:
+                found.append(int(proc.name))
+    return found
+
+
+def _kill_a_trainer(stream: Any, work: Path) -> None:
+    """SIGKILL the training worker once its first checkpoint is written (mid-epoch 0)."""
+    deadline = time.monotonic() + 180
+    while not list(work.glob("step-*/COMPLETE")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in _ray_train_workers():
+        os.kill(pid, signal.SIGKILL)
+
+
+def _fit_online(case: Case, work: str, workers: int, during: Any = None) -> dict[str, Any]:
+    from draftloop.infra.training.fit import fit
+
+    config = _config(Path(case.config.target.path), case.root, workers)
+    with hidden_state_stream(config, case.conversations, None, case.pids) as stream:
+        job = TrainingJob.from_config(config, stream.hidden, case.root / work, {})
+        fault = threading.Thread(target=during, args=(stream, case.root / work)) if during else None
+        if fault is not None:
+            fault.start()
+        try:
+            final = fit(config, job, work, case.pids)
+        finally:
+            if fault is not None:
+                fault.join()
+    result = json.loads((final / "result.json").read_text())
+    result["weights"] = load_file(str(final / "drafter" / "model.safetensors"))
+    return result
+
+
+def test_a_killed_trainer_restarts_from_its_checkpoint_mid_epoch(case: Case, online: dict[str, Any]) -> None:
+    result = _fit_online(case, "trainer-killed", workers=1, during=_kill_a_trainer)
+    assert result["resumed_from_epoch"] == 0 and result["resumed_at_sample"] > 0, result["resumed_at_sample"]
+    _trained_once(result)
+    _same_training(result, online)
+
+
+def test_resume_mid_epoch_on_two_trainers(
+    case: Case, online: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from draftloop.infra.training import fit
+
+    monkeypatch.setattr(fit, "WORKER_RESTARTS", 0)  # the killed run stays dead
+    with pytest.raises(Exception):  # noqa: B017 (Ray Train's error for a dead worker group)
+        _fit_online(case, "one-then-two", workers=1, during=_kill_a_trainer)
+    monkeypatch.undo()
+    result = _fit_online(case, "one-then-two", workers=2)
+    assert result["workers"] == 2
+    assert result["resumed_from_epoch"] == 0 and result["resumed_at_sample"] > 0, result["resumed_at_sample"]
+    _trained_once(result)
+    # Two workers sum the step's gradient in another order: float rounding apart, the same training.
+    _same_training(result, online, tolerance=1e-4)

@@ -134,6 +134,7 @@ def store_drafter(config: ExperimentConfig, final: Path, uri: str, run: StageRun
         "loss_per_epoch": [round(float(epoch["loss"]), 4) for epoch in result["epochs"]],
         "final_accuracy": final_metrics.get("acc"),
         "resumed_from_epoch": result["resumed_from_epoch"],
+        "resumed_at_sample": result.get("resumed_at_sample"),
         "workers": result["workers"],
         "seconds": round(seconds, 3),
         "tokens_per_s": round(result["trained_tokens"] / seconds, 3) if seconds > 0 else None,

@@ -123,11 +123,13 @@ def train_worker(
     work = job.work_dir
     resume_state = None
     resumed_from = None
+    resumed_at = None
     checkpoint = latest_checkpoint(work)
     if checkpoint is not None:
         drafter.load_state_dict(torch.load(checkpoint / "drafter.pt", weights_only=True), strict=False)
         resume_state = torch.load(checkpoint / "resume.pt", weights_only=False)
         resumed_from = int(resume_state["epoch"])
+        resumed_at = int(resume_state["consumed"])  # the sample position in that epoch's order
     drafter.to(device)
     if world > 1:
         for tensor in drafter.state_dict().values():
@@ -206,6 +208,7 @@ def train_worker(
                     "epochs": result.epochs,
                     "final": result.final_metrics,
                     "resumed_from_epoch": resumed_from,
+                    "resumed_at_sample": resumed_at,
                     "seconds": seconds,
                     "samples": data.num_samples,
                     "workers": world,
