@@ -213,6 +213,49 @@ MLA_ATOL, MLA_RTOL = 0.25, 0.05
 
 
 @pytest.mark.slow
+def test_online_training_streams_from_the_engine(extraction_server: Any, tmp_path: Path) -> None:
+    """`extraction.mode: online, backend: engine`: producer actors ask the server shard by shard, the
+    trainer gets every training sample once per epoch, and the connector's files are read and deleted."""
+    import yaml
+    from fixtures_flow import REPO_ROOT
+    from test_extract_actors import _synthesized
+
+    from draftloop.infra.extraction.producer import EngineEndpoint
+    from draftloop.infra.runtime.config import ExperimentConfig
+    from draftloop.infra.runtime.processes import PidRecord
+    from draftloop.infra.runtime.ray_cluster import ensure_ray
+    from draftloop.infra.training.job import TrainingJob
+    from draftloop.infra.training.stream import stream_from
+    from draftloop.infra.training.worker import train_worker
+
+    engine, server, target, run_dir = extraction_server
+    ensure_ray(num_cpus=2)
+    rows = [{**row, "id": f"{row['id']}-{n}"} for n in range(4) for row in CONVERSATIONS]
+    conversations = _synthesized(str(tmp_path / "synth"), rows)
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
+    raw["target"]["path"] = str(target)
+    raw["extraction"].update({"mode": "online", "backend": "engine", "samples_per_shard": 4})
+    raw["training"].update({"epochs": 2, "batch_size": 4, "ttt_length": 2, "held_out_samples": 0})
+    config = ExperimentConfig.from_dict(raw, check_environment=False)
+    endpoint = EngineEndpoint(engine, server.base_url, "target")
+    with stream_from(config, conversations, None, PidRecord(tmp_path / "pids.json"), endpoint) as stream:
+        train_worker(
+            TrainingJob.from_config(config, stream.hidden, tmp_path / "work", {}),
+            rank=0,
+            world=1,
+            device="cpu",
+            report=lambda _metrics: None,
+        )
+        report = stream.report()
+    result = json.loads((tmp_path / "work" / "final" / "result.json").read_text())
+    assert report.skipped == 4 and report.samples == 12  # the four "no-answer" rows
+    assert [epoch["trained_per_sample"] for epoch in result["epochs"]] == [{"1": 12}] * 2
+    assert sum(p.samples for p in report.producers) == 2 * 12  # every epoch asks the engine again
+    assert result["stream"]["bytes_received"] > 0
+    assert not list((run_dir / "hs").rglob("*.safetensors")), "read files are removed"
+
+
+@pytest.mark.slow
 def test_mla_engine_hidden_states_close_to_in_process(
     zoo_target_dir: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

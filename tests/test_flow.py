@@ -245,3 +245,32 @@ def test_training_with_two_ddp_workers(flow_env: FlowEnv, first_cycle: tuple[dic
     # Steps do not depend on the worker count: 8 samples per step over both workers, 3 steps per epoch.
     assert len(history) == 2 * 3
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_online_cycle_streams_hidden_states_and_stores_none(
+    flow_env: FlowEnv, first_cycle: tuple[dict[str, Any], float]
+) -> None:
+    """`extraction.mode: online`: no extract stage, the train stage streams from producers; served and
+    judged like the offline drafter (the same samples in the same order: the same acceptance)."""
+    first, _ = first_cycle
+    summary, _ = run_cycle_in_process(flow_env, {"extraction.mode": "online"})
+    stages = summary["stages"]
+    assert list(stages) == ["synthesize", "train", "evaluate", "register"]
+    assert stages["synthesize"]["cache_hit"]
+    train = _manifest(stages["train"]["uri"]).summary
+    stream = train["stream"]
+    assert stream["mode"] == "online" and stream["hidden_state_bytes_stored"] == 0
+    assert (
+        stream["spilled_bytes"] == 0
+        and 0 < stream["peak_object_store_bytes"] <= stream["max_bytes_in_flight"]
+    )
+    training = stream["samples"] - train["held_out_samples"]
+    assert train["trained_per_sample"] == [{"1": training}] * train["epochs"]
+    # No hidden state stored: the only extract dataset is the first cycle's, the rest is drafters.
+    root = Path(yaml_config(flow_env).storage.root) / "flow-test"
+    assert [str(path) for path in (root / "extract").iterdir()] == [first["stages"]["extract"]["uri"]]
+    stored = {path.name for path in root.rglob("*.safetensors") if (root / "extract") not in path.parents}
+    assert stored == {"model.safetensors"}
+    written = json.loads(Path(summary["run_folder"], "summary.json").read_text())
+    assert written["status"] == "completed" and written["consistent"] is True
+    assert abs(written["mean_acceptance_length"] - first["mean_acceptance_length"]) <= 0.05

@@ -9,9 +9,11 @@ weights; hybrid stores at most its budget and reads those shards back in later e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -213,16 +215,14 @@ def test_hybrid_stores_at_most_its_budget_and_reads_it_back(case: Case, online: 
 
 
 def _ray_train_workers() -> list[int]:
-    """PIDs of live Ray Train worker processes (their process title names the actor)."""
+    """PIDs of this test process's Ray Train workers (below its own Ray; their title names the actor)."""
+    from fault_harness import descendants
+
     found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                command = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"RayTrainWorker" in command:
-                found.append(int(proc.name))
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
     return found
 
 
@@ -276,3 +276,34 @@ def test_resume_mid_epoch_on_two_trainers(
     _trained_once(result)
     # Two workers sum the step's gradient in another order: float rounding apart, the same training.
     _same_training(result, online, tolerance=1e-4)
+
+
+def test_two_node_cluster_producers_on_one_node_trainer_on_the_other(
+    zoo_target_dir: Any, tmp_path: Path
+) -> None:
+    """Two `ray` nodes with their own object stores, in a subprocess (its own Ray, stopped by PID)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "RAY_AUTH_MODE": "disabled"}
+    script = Path(__file__).parent / "online_two_nodes.py"
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(zoo_target_dir("tiny-llama")), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever the cluster left
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-4000:]
+    found = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+    assert len(found["nodes"]) == 2 and set(found["producer_nodes"]) == {found["head"]}
+    stream = found["stream"]
+    assert stream["bytes_received"] > 0
+    assert stream["bytes_from_other_nodes"] == stream["bytes_received"]  # every shard crossed
+    training = SAMPLES - found["held_out_samples"]
+    assert found["trained_per_sample"] == [{"1": training}] * EPOCHS

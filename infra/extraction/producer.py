@@ -166,6 +166,10 @@ class HiddenStateProducer:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this producer runs on."""
+        return str(ray.get_runtime_context().get_node_id())
+
     def token_counts(self, start: int, end: int) -> list[int]:
         """Tokens of each conversation `start`..`end` as trained (0: no assistant token, skipped)."""
         counts = []

@@ -167,45 +167,67 @@ def hidden_state_stream(
     """Producers ready for the train stage's workers (an engine server first, for backend engine); on
     exit they and the server are stopped."""
     ensure_ray(config.ray.address, pids)
+    with (
+        _engine_endpoint(config, pids) as endpoint,
+        stream_from(config, conversations, cache_uri, pids, endpoint) as stream,
+    ):
+        yield stream
+
+
+@contextmanager
+def _engine_endpoint(config: ExperimentConfig, pids: PidRecord) -> Iterator[EngineEndpoint | None]:
+    """backend engine: the engine server in its extraction mode (a Ray actor, stopped on exit)."""
+    if config.extraction.backend != "engine":
+        yield None
+        return
+    target_path = ensure_target(config)
+    run_dir = state_dir() / "work" / str(config.name) / "stream-engine"
+    hidden_dir = run_dir / "hidden-states"
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    base = get_engine(config.engine.kind, config.engine_settings())
+    engine = extraction_engine(
+        base, config.aux_layer_ids_internal(), target_depth(Path(target_path)), hidden_dir
+    )
+    server = start_server_actor(engine, target_path, run_dir, "extraction", pids=pids)
+    try:
+        yield EngineEndpoint(engine, server.base_url, server.model_name)
+    finally:
+        server.stop()
+        pids.forget("engine-extraction")
+
+
+@contextmanager
+def stream_from(
+    config: ExperimentConfig,
+    conversations: Manifest,
+    cache_uri: str | None,
+    pids: PidRecord,
+    endpoint: EngineEndpoint | None,
+) -> Iterator[HiddenStateStream]:
+    """`extraction.num_actors` producers (asking `endpoint`, or hosting the target), the stream planned
+    over `conversations`; the producers are stopped on exit."""
     section = config.extraction
     count = conversation_count(conversations)
     if count == 0:
         raise StreamRefused(f"no conversations in {conversations.uri}")
-    target_path = ensure_target(config)
-    aux = config.aux_layer_ids_internal()
-    server = None
-    endpoint = None
+    spec = ProducerSpec(
+        conversations=conversations,
+        storage_options=storage_options(config),
+        target_path=ensure_target(config),
+        aux_layer_ids=config.aux_layer_ids_internal(),
+        dtype=str(section.dtype),
+        max_length=int(config.data.max_length),
+        trust_remote_code=bool(config.target.trust_remote_code),
+        endpoint=endpoint,
+    )
+    producer_class = remote_producer(float(section.num_gpus_per_actor), section.producer_resource)
+    producers = [producer_class.remote(spec) for _ in range(int(section.num_actors))]
     try:
-        if section.backend == "engine":
-            run_dir = state_dir() / "work" / str(config.name) / "stream-engine"
-            hidden_dir = run_dir / "hidden-states"
-            hidden_dir.mkdir(parents=True, exist_ok=True)
-            base = get_engine(config.engine.kind, config.engine_settings())
-            engine = extraction_engine(base, aux, target_depth(Path(target_path)), hidden_dir)
-            server = start_server_actor(engine, target_path, run_dir, "extraction", pids=pids)
-            endpoint = EngineEndpoint(engine, server.base_url, server.model_name)
-        spec = ProducerSpec(
-            conversations=conversations,
-            storage_options=storage_options(config),
-            target_path=target_path,
-            aux_layer_ids=aux,
-            dtype=str(section.dtype),
-            max_length=int(config.data.max_length),
-            trust_remote_code=bool(config.target.trust_remote_code),
-            endpoint=endpoint,
-        )
-        producer_class = remote_producer(float(section.num_gpus_per_actor), section.producer_resource)
-        producers = [producer_class.remote(spec) for _ in range(int(section.num_actors))]
-        try:
-            pids.add("producers", [int(pid) for pid in ray.get([p.pid.remote() for p in producers])])
-            yield _planned(config, producers, count, cache_uri)
-        finally:
-            kill_actors(producers)
-            pids.forget("producers")
+        pids.add("producers", [int(pid) for pid in ray.get([p.pid.remote() for p in producers])])
+        yield _planned(config, producers, count, cache_uri)
     finally:
-        if server is not None:
-            server.stop()
-            pids.forget("engine-extraction")
+        kill_actors(producers)
+        pids.forget("producers")
 
 
 def _planned(
