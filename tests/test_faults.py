@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -301,6 +302,91 @@ def test_killed_runs_resume_to_the_same_result(
         for stage in ("synthesize", "extract", "train"):
             ledger.completed_after(f"driver SIGKILL in {stage}")
     assert not rows_unaccounted(committed) and not partial, ledger.notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Online training: the driver, a producer and a trainer killed while hidden states stream
+
+
+def _online_config(workdir: Path) -> Path:
+    """The smallest config, online: 12 conversations in shards of 2, 2 epochs of one-sample steps."""
+    path = _config(workdir, f"sqlite:///{workdir}/mlflow.db")
+    config = yaml.safe_load(path.read_text())
+    config["data"]["num_samples"] = 12
+    config["extraction"]["mode"] = "online"
+    config["training"]["epochs"] = 2
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _recorded(state: Path, kind: str) -> list[int]:
+    """PIDs of `kind` in the cycles' PID records under `state` (producers: recorded by the train stage)."""
+    found = []
+    for path in state.glob("cycles/*/pids.json"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(entry["pid"]) for entry in json.loads(path.read_text())["processes"].get(kind, [])]
+    return found
+
+
+def _ray_train_workers(root: int) -> list[int]:
+    found = []
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def _checkpoints(state: Path) -> int:
+    return len(list(state.glob(f"work/{NAME}/train/*/step-*/{CHECKPOINT_DONE}")))
+
+
+def test_online_training_loses_nothing_when_killed(
+    ledger: FaultLedger, flow_env: FlowEnv, tmp_path: Path
+) -> None:
+    """The driver SIGKILLed mid-train, then in the run that resumes a producer and a trainer: the same
+    drafter as the uninterrupted run, every sample trained exactly once per epoch."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    chain = Chain(workdir, _online_config(workdir), driver_env({"PREFECT_API_URL": flow_env.api_url}))
+    chain.complete("train")
+    reference = shard_hashes(_stage_manifest(chain.root, "train"), list(DRAFTER_FILES))
+    shutil.rmtree(chain.root / NAME / "train")
+    shutil.rmtree(chain.state / "work" / NAME / "train")
+
+    ledger.tried("online: driver SIGKILL in train")
+    chain.kill_in("train", lambda: _checkpoint_written(chain.state))
+    driver, known = chain.start("train")
+    faults = ("online: producer SIGKILL", "online: trainer SIGKILL")
+    for fault, victims in zip(
+        faults,
+        (lambda: _recorded(chain.state, "producers"), lambda: _ray_train_workers(driver.process.pid)),
+        strict=True,
+    ):
+        ledger.tried(fault)
+        written = _checkpoints(chain.state)
+        wait_for(
+            lambda written=written: _checkpoints(chain.state) > written,  # type: ignore[misc]
+            driver,
+            300,
+            f"a checkpoint before the {fault}",
+        )
+        for pid in wait_for(victims, driver, 120, f"the {fault} victims"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert driver.wait(600) == 0, driver.output()[-4000:]
+    train = _stage_manifest(chain.root, "train").summary
+    assert not new_markers(chain.cycles, known, "train.failed"), "recovered inside the stage"
+    training = train["stream"]["samples"] - train["held_out_samples"]
+    assert train["trained_per_sample"] == [{"1": training}] * 2
+    assert train["resumed_from_epoch"] is not None
+    assert shard_hashes(_stage_manifest(chain.root, "train"), list(DRAFTER_FILES)) == reference
+    assert train["stream"]["hidden_state_bytes_stored"] == 0
+    ledger.rows_lost += sum(
+        count for epoch in train["trained_per_sample"] for times, count in epoch.items() if times == "0"
+    )
+    for fault in ("online: driver SIGKILL in train", *faults):
+        ledger.completed_after(fault)
 
 
 # ---------------------------------------------------------------------------------------------
