@@ -310,9 +310,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", type=Path, required=True, help="JSON file (written after every part)")
     parser.add_argument("--runs", type=int, default=2, help="runs of each measurement (interleaved)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed run")
-    parser.add_argument("--warm-steps", type=int, default=3, help="untimed steps first (compilation)")
-    parser.add_argument("--samples-per-step", type=int, default=32)
+    # Defaults: 20, 3 and 32 (a CPU smoke run with --tiny: 3, 2 and 16).
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed run")
+    parser.add_argument("--warm-steps", type=int, default=None, help="untimed steps first (compilation)")
+    parser.add_argument("--samples-per-step", type=int, default=None)
     parser.add_argument("--pack-tokens", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--queue-depth", type=int, default=2, help="finished steps between the two")
@@ -326,6 +327,9 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = shapes(args.tiny)
     cap = 256 if args.tiny else 4096
+    for name, full, tiny in (("steps", 20, 3), ("warm_steps", 3, 2), ("samples_per_step", 32, 16)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
     if args.tiny:
         args.pack_tokens = min(args.pack_tokens, cap)
     if args.samples_per_step % SAMPLES_PER_SHARD:

@@ -1,12 +1,17 @@
-"""Memory flat in data size (CPU, tiny-llama): peak RSS of the extract and train stages at N and 8N samples.
+"""Memory flat in data size (CPU, tiny-llama): peak RSS of the extract and train stages, and of the online
+train stage, at N and 8N samples.
 
 Each stage runs in its own driver process (the product's stage code: tasks.extract.STAGE, tasks.train.STAGE,
-with their Ray actors / Ray Train workers); a sampler reads /proc/<pid>/status VmHWM of every process
-in the driver's tree (Ray's own processes included) every 0.1 s and keeps each process's largest value;
-a stage's peak is the sum over its processes. Synthesis is not measured: conversations are generated
-synthetically (varied lengths) and written as a synthesize-stage dataset.
+tasks.train_online.STAGE, with their Ray actors / Ray Train workers); a sampler reads /proc/<pid>/status
+VmHWM of every process in the driver's tree (Ray's own processes included) every 0.1 s and keeps each
+process's largest value; a stage's peak is the sum over its processes. Synthesis is not measured:
+conversations are generated synthetically (varied lengths) and written as a synthesize-stage dataset.
+`online` (extraction.mode online) has no extract stage: its producer actors compute the hidden states the
+train workers ask for, through Ray's object store; its stream summary's object-store peak and spilled bytes
+are reported beside the RSS.
 
     .venv/bin/python bench/bench_scale.py --samples 256 --factor 8 --out bench/results-scale.json
+    .venv/bin/python bench/bench_scale.py --samples 256 --factor 8 --stages online   # online_* keys only
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ WORDS = [
     "an",
     "not",
 ]
+OFFLINE_STAGES = ("extract", "train")
+STAGES = (*OFFLINE_STAGES, "online")
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -145,16 +152,16 @@ class TreeSampler:
 # ---------------------------------------------------------------------------------------------- one stage
 
 
-def _config(workdir: Path, samples: int) -> Any:
+def _config(workdir: Path, samples: int, mode: str = "offline") -> Any:
     import yaml
 
     from draftloop.infra.runtime.config import ExperimentConfig
 
     raw = yaml.safe_load((REPO_ROOT / "configs" / "tiny-llama.yaml").read_text())
-    raw["name"] = f"scale-{samples}"
+    raw["name"] = f"scale-{samples}" if mode == "offline" else f"scale-{mode}-{samples}"
     raw["target"]["path"] = str(workdir / "models" / "tiny-llama")
     raw["data"]["num_samples"] = samples
-    raw["extraction"]["samples_per_shard"] = SAMPLES_PER_SHARD
+    raw["extraction"].update({"samples_per_shard": SAMPLES_PER_SHARD, "mode": mode})
     raw["training"].update({"epochs": 1, "ttt_length": 3, "batch_size": 8})
     raw["storage"]["root"] = str(workdir / "runs")
     raw["tracking"].update(
@@ -208,15 +215,22 @@ def start_ray(address: str | None) -> None:
 
 
 def run_stage(stage: str, workdir: Path, samples: int) -> dict[str, Any]:
-    """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train)."""
+    """Inside the measured driver process: run `stage` (extract runs on a cache hit when stage is train;
+    online has no extract stage, its train stage takes the conversations)."""
     from draftloop.infra.runtime.ray_cluster import shutdown_ray
-    from draftloop.tasks import extract, train
+    from draftloop.tasks import extract, train, train_online
     from draftloop.tasks.stage import run_alone
 
-    config = _config(workdir, samples)
+    config = _config(workdir, samples, "online" if stage == "online" else "offline")
     conversations = _synthetic_conversations(config, samples)
     start_ray(config.ray.address)
     started = time.perf_counter()
+    if stage == "online":
+        outcome = run_alone(train_online.STAGE, config, {"synthesize": conversations})
+        assert not outcome.cache_hit
+        seconds = time.perf_counter() - started
+        shutdown_ray()
+        return {"seconds": round(seconds, 1), "summary": outcome.manifest.summary}
     hidden = run_alone(extract.STAGE, config, {"synthesize": conversations})
     if stage == "extract":
         assert not hidden.cache_hit
@@ -270,10 +284,20 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--factor", type=int, default=8)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results-scale.json")
-    parser.add_argument("--stage", choices=("extract", "train"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        choices=STAGES,
+        default=list(OFFLINE_STAGES),
+        help="stages to measure (train needs extract: it reads extract's cached shards); the record keeps "
+        "the keys of the stages not run",
+    )
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if "train" in args.stages and "extract" not in args.stages:
+        parser.error("--stages train needs extract (the train stage reads its cached shards)")
     if args.stage is not None:  # the measured driver process
         args.result.write_text(json.dumps(run_stage(args.stage, args.workdir, args.samples)))
         return
@@ -281,42 +305,71 @@ def main() -> None:
     from draftloop.infra.targets.zoo import create_tiny_model
 
     sizes = (args.samples, args.samples * args.factor)
+    stages = [stage for stage in STAGES if stage in args.stages]  # extract before train
     with tempfile.TemporaryDirectory(prefix="draftloop-scale-") as scratch:
         workdir = Path(scratch)
         create_tiny_model("tiny-llama", workdir / "models" / "tiny-llama", seed=0)
         runs: dict[str, dict[str, Any]] = {}
         for samples in sizes:
-            for stage in ("extract", "train"):
+            for stage in stages:
                 runs[f"{stage}_{samples}"] = measure(stage, workdir, samples)
                 print(f"{stage} {samples}: {json.dumps(runs[f'{stage}_{samples}'])}", flush=True)
     small, large = sizes
-    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
-    record = {
-        **previous,
-        "memory": {
-            "machine": f"CPU, {os.cpu_count()} cores (shared)",
-            "target": "tiny-llama (zoo, seed 0)",
-            "samples": list(sizes),
-            "samples_per_shard": SAMPLES_PER_SHARD,
-            "training": "1 epoch, TTT 3, batch 8, 1 worker, shuffle window 8 shards, prefetch 2",
-            "peak_rss": "sum over the driver's process tree (Ray's processes, actors, workers) of VmHWM",
-            "runs": runs,
-        },
-        "extract_peak_rss_ratio_8x": round(
-            runs[f"extract_{large}"]["peak_rss_mib"] / runs[f"extract_{small}"]["peak_rss_mib"], 3
-        ),
-        "train_peak_rss_ratio_8x": round(
-            runs[f"train_{large}"]["peak_rss_mib"] / runs[f"train_{small}"]["peak_rss_mib"], 3
-        ),
+    record = json.loads(args.out.read_text()) if args.out.exists() else {}
+    common = {
+        "machine": f"CPU, {os.cpu_count()} cores (shared)",
+        "target": "tiny-llama (zoo, seed 0)",
+        "samples": list(sizes),
+        "samples_per_shard": SAMPLES_PER_SHARD,
+        "training": "1 epoch, TTT 3, batch 8, 1 worker, shuffle window 8 shards, prefetch 2",
+        "peak_rss": "sum over the driver's process tree (Ray's processes, actors, workers) of VmHWM",
     }
-    for stage in ("extract", "train"):  # the largest instantaneous sum too (processes that coexisted)
+    offline = [stage for stage in stages if stage in OFFLINE_STAGES]
+    if offline:
+        record["memory"] = {
+            **common,
+            "runs": {key: run for key, run in runs.items() if key.split("_")[0] in offline},
+        }
+    if "online" in stages:
+        streams = {samples: runs[f"online_{samples}"]["summary"]["stream"] for samples in sizes}
+        record["online_memory"] = {
+            **common,
+            "stage": "tasks.train_online.STAGE, extraction.mode online, 1 in-process producer actor",
+            # online, the worker asks the producers a byte-capped depth ahead instead of reading ahead
+            "training": "1 epoch, TTT 3, batch 8, 1 worker, shuffle window 8 shards, asked ahead: the "
+            "stream summary's asked_ahead_per_worker",
+            "runs": {key: run for key, run in runs.items() if key.startswith("online_")},
+        }
+        for field in (
+            "peak_object_store_bytes",
+            "spilled_bytes",
+            "object_store_bytes",
+            "max_bytes_in_flight",
+        ):
+            record[f"online_{field}"] = {str(samples): int(streams[samples][field]) for samples in sizes}
+        record["online_peak_rss_mib"] = {
+            str(samples): runs[f"online_{samples}"]["peak_rss_mib"] for samples in sizes
+        }
+    for stage in stages:
+        record[f"{stage}_peak_rss_ratio_8x"] = round(
+            runs[f"{stage}_{large}"]["peak_rss_mib"] / runs[f"{stage}_{small}"]["peak_rss_mib"], 3
+        )
+    for stage in stages:  # the largest instantaneous sum too (processes that coexisted)
         record[f"{stage}_max_concurrent_rss_ratio_8x"] = round(
             runs[f"{stage}_{large}"]["max_concurrent_rss_mib"]
             / runs[f"{stage}_{small}"]["max_concurrent_rss_mib"],
             3,
         )
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in record.items() if k.endswith("_8x")}))
+    print(
+        json.dumps(
+            {
+                key: value
+                for key, value in record.items()
+                if key.endswith("_8x") or (key.startswith("online_") and key != "online_memory")
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -126,15 +126,17 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
     console = Console()
     # The stage names, before anything is created (this imports Prefect with the caller's settings, as
     # importing any stage does; the run's own settings below are read when the flow starts).
-    from draftloop.flows.pipeline import CYCLE
+    from draftloop.flows.pipeline import pipeline_for
 
-    try:
-        stages = CYCLE.until(until).names
-    except ValueError as error:
-        console.print(f"[red]error:[/red] --{error}")
-        raise typer.Exit(2) from None
     # creates nothing; bad prompt data is one line and exit 2 here, before any service starts
-    read_data_or_exit(load_config_or_exit(config_path, set_options))
+    config = load_config_or_exit(config_path, set_options)
+    pipeline = pipeline_for(config)  # extraction.mode online: no extract stage
+    try:
+        stages = pipeline.until(until).names
+    except ValueError as error:
+        console.print(f"[red]error:[/red] --{error} (stages: {', '.join(pipeline.names)})")
+        raise typer.Exit(2) from None
+    read_data_or_exit(config)
     state = state_dir()
     for key, value in _embedded_defaults(state).items():
         os.environ.setdefault(key, value)
