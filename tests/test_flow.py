@@ -253,7 +253,16 @@ def test_online_cycle_streams_hidden_states_and_stores_none(
     """`extraction.mode: online`: no extract stage, the train stage streams from producers; served and
     judged like the offline drafter (the same samples in the same order: the same acceptance)."""
     first, _ = first_cycle
-    summary, _ = run_cycle_in_process(flow_env, {"extraction.mode": "online"})
+    # One concurrency level, one k, no repeats: the figure compared here is the prompt pass's acceptance.
+    light_evaluation = {
+        "evaluation.concurrency": [1],
+        "evaluation.repeats": 1,
+        "evaluation.warmup_rounds": 0,
+        "evaluation.min_output_tokens": 0,
+        "evaluation.min_seconds": 0,
+        "evaluation.speculative_tokens_sweep": [3],
+    }
+    summary, _ = run_cycle_in_process(flow_env, {"extraction.mode": "online", **light_evaluation})
     stages = summary["stages"]
     assert list(stages) == ["synthesize", "train", "evaluate", "register"]
     assert stages["synthesize"]["cache_hit"]
