@@ -89,6 +89,20 @@ def test_section_hash_is_stable_and_local(tmp_path: Path) -> None:
         first.section_hash("nope")
 
 
+def test_extraction_modes_and_the_storage_budget(tmp_path: Path) -> None:
+    hybrid = _load(tmp_path, **{"extraction.mode": "hybrid", "extraction.storage_budget": "200GB"})
+    assert hybrid.extraction.storage_budget == 200 * 10**9
+    error = _error(tmp_path, **{"extraction.mode": "hybrid"})
+    assert error.field == "extraction" and "storage_budget" in error.reason and "hybrid" in error.reason
+    error = _error(tmp_path, **{"extraction.storage_budget": "1GB"})  # offline stores everything
+    assert "storage_budget" in error.reason and "offline" in error.reason
+    assert "extraction.mode" in str(_error(tmp_path, **{"extraction.mode": "streaming"}))
+    # Where training runs is not what it computes: a resume on another worker count keeps its key.
+    assert _load(tmp_path, **{"training.num_workers": 4}).section_hash("training") == _load(
+        tmp_path
+    ).section_hash("training")
+
+
 def test_aux_layer_id_out_of_range_names_field_depth_and_range(tmp_path: Path) -> None:
     error = _error(tmp_path, **{"extraction.aux_layer_ids": [1, 3, 6]})
     assert error.field == "extraction.aux_layer_ids"

@@ -303,3 +303,12 @@ def test_two_node_cluster_producers_on_one_node_trainer_on_the_other(
     assert stream["bytes_from_other_nodes"] == stream["bytes_received"]  # every shard crossed
     training = SAMPLES - found["held_out_samples"]
     assert found["trained_per_sample"] == [{"1": training}] * EPOCHS
+
+
+def test_a_stream_that_would_spill_is_refused_by_name() -> None:
+    from draftloop.infra.training.stream import StreamRefused, depth_for
+
+    assert depth_for(cap=100, capacity=1000, largest=10, workers=2) == 4  # 2 x (4 + 1) x 10 = 100
+    assert depth_for(cap=10, capacity=1000, largest=10, workers=2) == 1  # never less than one ahead
+    with pytest.raises(StreamRefused, match=r"extraction\.samples_per_shard"):
+        depth_for(cap=10**9, capacity=300, largest=100, workers=2)  # 2 x 2 x 100 > 300: it would spill
