@@ -247,6 +247,9 @@ def _planned(
     capacity = object_store_stats().capacity_bytes
     cap = int(section.max_bytes_in_flight or capacity * DEFAULT_STORE_SHARE)
     depth = depth_for(cap, capacity, max(s.max_bytes for s in shards), int(config.training.num_workers))
+    # A worker holds at most one shuffle window of shards at once: asking further ahead than a window
+    # plus its read-ahead only makes memory grow with the data (up to the cap) without feeding it faster.
+    depth = min(depth, int(config.training.shuffle_window_shards) + int(config.training.prefetch_shards))
     names: frozenset[str] = frozenset()
     if section.mode == "hybrid" and cache_uri is not None:
         names = frozenset(cache_plan(shards, int(section.storage_budget or 0)))
