@@ -29,7 +29,8 @@ def cache_uri(config: ExperimentConfig, key: str) -> str | None:
     return join(str(config.storage.root), config.name, "hidden-cache", key)
 
 
-def stream_summary(config: ExperimentConfig, report: StreamReport) -> StreamSummary:
+def stream_summary(config: ExperimentConfig, report: StreamReport, traffic: dict[str, int]) -> StreamSummary:
+    """The stream block of the train summary: the driver's report and what the workers received."""
     producers = report.producers
     stored = int(report.cache_manifest.summary["bytes"]) if report.cache_manifest else 0
     return StreamSummary(
@@ -50,6 +51,9 @@ def stream_summary(config: ExperimentConfig, report: StreamReport) -> StreamSumm
         storage_budget=int(config.extraction.storage_budget) if config.extraction.storage_budget else None,
         budget_for_zero_recompute=report.bytes_all_shards,
         cache_uri=report.cache_manifest.uri if report.cache_manifest else None,
+        bytes_received=traffic.get("bytes_received"),
+        bytes_from_other_nodes=traffic.get("bytes_from_other_nodes"),
+        bytes_read_from_cache=traffic.get("bytes_read_from_cache"),
     )
 
 
@@ -73,15 +77,7 @@ def produce(request: StageRequest) -> Manifest:
     except StreamRefused as error:
         raise StageError("train", str(error)) from error
     stored = store_drafter(config, final, work.uri, request.run)
-    streamed = stream_summary(config, report)
-    traffic = stored.result.get("stream") or {}
-    streamed = streamed.model_copy(
-        update={
-            "bytes_received": traffic.get("bytes_received"),
-            "bytes_from_other_nodes": traffic.get("bytes_from_other_nodes"),
-            "bytes_read_from_cache": traffic.get("bytes_read_from_cache"),
-        }
-    )
+    streamed = stream_summary(config, report, stored.result.get("stream") or {})
     if streamed.spilled_bytes:
         request.run.log_text(
             f"{streamed.spilled_bytes} bytes of hidden states spilled from Ray's object store to disk: "

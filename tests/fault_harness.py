@@ -90,6 +90,16 @@ def descendants(root: int) -> dict[int, int | None]:
     return {pid: started for pid, started in found.items() if started is not None}
 
 
+def ray_train_workers(root: int) -> list[int]:
+    """PIDs of the Ray Train worker processes below `root` (their process title names the actor)."""
+    found = []
+    for pid in descendants(root):
+        with suppress(OSError):
+            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
 def recorded_pids(state: Path) -> dict[int, int | None]:
     """Every PID a run recorded under `state` (cycle and driver PID records), with its start time now."""
     found: dict[int, int | None] = {}

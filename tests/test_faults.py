@@ -47,6 +47,7 @@ from fault_harness import (
     new_markers,
     partial_artifacts_used,
     processes_naming,
+    ray_train_workers,
     recorded_pids,
     restartable,
     rows_unaccounted,
@@ -328,15 +329,6 @@ def _recorded(state: Path, kind: str) -> list[int]:
     return found
 
 
-def _ray_train_workers(root: int) -> list[int]:
-    found = []
-    for pid in descendants(root):
-        with contextlib.suppress(OSError):
-            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-    return found
-
-
 def _checkpoints(state: Path) -> int:
     """The latest completed checkpoint's step (the worker keeps only the last two folders)."""
     steps = [
@@ -360,7 +352,7 @@ def test_online_training_loses_nothing_when_killed(
     faults = ("online: producer SIGKILL", "online: trainer SIGKILL")
     for fault, victims in zip(
         faults,
-        (lambda: _recorded(chain.state, "producers"), lambda: _ray_train_workers(driver.process.pid)),
+        (lambda: _recorded(chain.state, "producers"), lambda: ray_train_workers(driver.process.pid)),
         strict=True,
     ):
         ledger.tried(fault)

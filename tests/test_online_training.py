@@ -217,24 +217,14 @@ def test_hybrid_stores_at_most_its_budget_and_reads_it_back(case: Case, online: 
 # --------------------------------------------------------------------- through Ray Train (the stage's way)
 
 
-def _ray_train_workers() -> list[int]:
-    """PIDs of this test process's Ray Train workers (below its own Ray; their title names the actor)."""
-    from fault_harness import descendants
-
-    found = []
-    for pid in descendants(os.getpid()):
-        with contextlib.suppress(OSError):
-            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-    return found
-
-
 def _kill_a_trainer(stream: Any, work: Path) -> None:
     """SIGKILL the training worker once its first checkpoint is written (mid-epoch 0)."""
     deadline = time.monotonic() + 180
     while not list(work.glob("step-*/COMPLETE")) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for pid in _ray_train_workers():
+    from fault_harness import ray_train_workers
+
+    for pid in ray_train_workers(os.getpid()):  # this test process's own, not another run's
         os.kill(pid, signal.SIGKILL)
 
 
