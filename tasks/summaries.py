@@ -75,6 +75,7 @@ class StreamSummary(BaseModel):
     bytes_received: int | None = None  # by the trainers, from the producers
     bytes_from_other_nodes: int | None = None  # crossed between Ray nodes' object stores
     bytes_read_from_cache: int | None = None
+    engine_restarts: int | None = None  # backend engine: its server died and was started again
 
 
 class TrainingSummary(BaseModel):

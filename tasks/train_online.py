@@ -54,6 +54,7 @@ def stream_summary(config: ExperimentConfig, report: StreamReport, traffic: dict
         bytes_received=traffic.get("bytes_received"),
         bytes_from_other_nodes=traffic.get("bytes_from_other_nodes"),
         bytes_read_from_cache=traffic.get("bytes_read_from_cache"),
+        engine_restarts=report.engine_restarts,
     )
 
 

@@ -36,6 +36,7 @@ class FaultLedger:
     recovered: list[str] = field(default_factory=list)
     rows_lost: int = 0
     partial_artifacts_read: int = 0
+    trained_twice: int = 0  # samples trained more than once in one epoch (online runs' counts)
     notes: list[str] = field(default_factory=list)
 
     def tried(self, fault: str) -> None:
@@ -48,8 +49,18 @@ class FaultLedger:
     def line(self) -> str:
         return (
             f"faults tried: {len(self.faults)}, runs completed after them: {len(self.recovered)}, "
-            f"rows lost: {self.rows_lost}, partial artifacts read: {self.partial_artifacts_read}"
+            f"rows lost: {self.rows_lost}, partial artifacts read: {self.partial_artifacts_read}, "
+            f"samples trained twice in one epoch: {self.trained_twice}"
         )
+
+    def count_epochs(self, trained_per_sample: list[dict[str, int]]) -> None:
+        """An online run's per-epoch histograms (times trained -> samples): 0 is lost, 2+ twice."""
+        for epoch in trained_per_sample:
+            for times, count in epoch.items():
+                if int(times) == 0:
+                    self.rows_lost += count
+                elif int(times) > 1:
+                    self.trained_twice += count
 
 
 # ---------------------------------------------------------------------------------------------

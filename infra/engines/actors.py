@@ -53,6 +53,14 @@ class EngineServerActor:
         """EngineStartError (with the log excerpt) when the server has exited or logged a fatal error."""
         self.server.check_alive()
 
+    def ensure_running(self) -> int:
+        """The server's start count, after starting it again if its process had died (the actor's
+        calls run one at a time: callers that find it dead together cause one restart)."""
+        return self.server.ensure_running()
+
+    def start_count(self) -> int:
+        return self.server.starts
+
     def stop(self) -> None:
         self.server.stop()
 

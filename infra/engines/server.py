@@ -172,6 +172,7 @@ class EngineServer:
         self._own_shm: set[str] = set()
         self._own_pids: set[int] = set()
         self._argv: list[str] = []
+        self.starts = 0  # how often the process was launched
 
     # ---- properties --------------------------------------------------------------------------
 
@@ -239,6 +240,7 @@ class EngineServer:
             )
         finally:
             log.close()
+        self.starts += 1
         with _LIVE_LOCK:
             _LIVE.add(self)
         self._write_pidfile()
@@ -344,6 +346,23 @@ class EngineServer:
         self.startup_s = time.monotonic() - self._started_at
         self._record_own_shm()
         return self.startup_s
+
+    def ensure_running(self) -> int:
+        """Start the server again (and wait until ready) if its process has exited; its start count.
+
+        For a server that others keep asking (the extraction server of an online stream): one killed
+        mid-stream comes back on the same port, and a caller whose request failed asks again when the
+        count has grown since its request. A server that logged a fatal error is not restarted:
+        `check_alive` raises it with the log excerpt."""
+        if self.process is not None and self.process.poll() is not None:
+            if self._fatal_in_log(self.read_log()) is not None:
+                self.check_alive()
+            self.stop()
+            self.log_path.replace(self.log_path.with_name(f"{self.log_path.name}.exited"))
+            self.process = None
+            self.start()
+            self.wait_ready()
+        return self.starts
 
     def smoke_test(self, prompt: str = "Say hello.", max_tokens: int = 16) -> SmokeResult:
         """One greedy chat completion; its content must be non-empty (reasoning kept apart)."""

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 import torch
 
-from draftloop.infra.extraction.tokenize import tokenize_conversation
+from draftloop.infra.extraction.tokenize import token_sample
 from draftloop.infra.runtime.ray_cluster import remote_options
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, ShardInfo, StorageOptions
 from draftloop.infra.synthesis.conversations import iter_conversations
@@ -138,16 +138,11 @@ class HiddenStateExtractor:
         `batch_size`; one with no assistant token within `max_length` goes to `on_skip` instead."""
         batch: list[dict[str, Any]] = []
         for row in conversations:
-            ids, mask = tokenize_conversation(self.tokenizer, row["messages"], max_length)
-            if sum(mask) == 0:
+            sample = token_sample(self.tokenizer, row["messages"], max_length)
+            if not sample["loss_mask"].any():
                 on_skip(row)
                 continue
-            batch.append(
-                {
-                    "input_ids": torch.tensor(ids, dtype=torch.long),
-                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                }
-            )
+            batch.append(sample)
             if len(batch) == batch_size:
                 yield batch
                 batch = []

@@ -30,7 +30,7 @@ import torch
 from draftloop.infra.engines.base import Engine
 from draftloop.infra.extraction.engine import load_final_norm, request_hidden_states, sample_from_engine
 from draftloop.infra.extraction.extractor import HiddenStateExtractor
-from draftloop.infra.extraction.tokenize import tokenize_conversation
+from draftloop.infra.extraction.tokenize import token_sample, tokenize_conversation
 from draftloop.infra.runtime.ray_cluster import remote_options
 from draftloop.infra.runtime.storage import (
     DatasetWriter,
@@ -47,6 +47,8 @@ from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.shards import TARGET_DTYPE_KEY, pack_hidden_shard, shard_metadata, shard_to_bytes
 
 FORWARD_BATCH = 4  # conversations per target forward: the extract stage's, so shards agree with its
+# How often one shard asks again after the engine server died and was started again.
+ENGINE_RESTARTS = 2
 SIDECAR_SUFFIX = ".info.json"  # a cached shard's ShardInfo, written after the shard
 
 
@@ -76,6 +78,7 @@ class EngineEndpoint:
     engine: Engine
     base_url: str
     model: str
+    server: Any = None  # its EngineServerActor: asked to start the server again if it died
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class HiddenStateProducer:
             )
         self._stats = {"shards": 0, "samples": 0, "tokens": 0, "cached_shards": 0, "cached_bytes": 0}
         self._seconds = 0.0
+        self._engine_starts = 1  # the engine server's start count this producer's requests went to
 
     def pid(self) -> int:
         return os.getpid()
@@ -186,16 +190,8 @@ class HiddenStateProducer:
 
     def token_samples(self, shard: StreamShard) -> list[dict[str, torch.Tensor]]:
         """The shard's samples' input ids and loss masks only (no forward pass: vocabulary counts)."""
-        samples = []
-        for row in self._rows(shard):
-            ids, mask = tokenize_conversation(self.tokenizer, row["messages"], self.spec.max_length)
-            samples.append(
-                {
-                    "input_ids": torch.tensor(ids, dtype=torch.long),
-                    "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                }
-            )
-        return samples
+        rows = self._rows(shard)
+        return [token_sample(self.tokenizer, row["messages"], self.spec.max_length) for row in rows]
 
     def produce(self, shard: StreamShard, cache_uri: str | None = None) -> ProducedShard:
         """The shard's bytes; with `cache_uri` (hybrid), also stored there with its sidecar."""
@@ -228,15 +224,18 @@ class HiddenStateProducer:
         tokenized = [
             tokenize_conversation(self.tokenizer, row["messages"], self.spec.max_length) for row in rows
         ]
-        replies = asyncio.run(
-            request_hidden_states(
-                endpoint.engine,
-                endpoint.base_url,
-                endpoint.model,
-                [ids for ids, _ in tokenized],
-                endpoint.engine.settings.max_num_seqs,
+        for _restart in range(ENGINE_RESTARTS + 1):
+            replies = asyncio.run(
+                request_hidden_states(
+                    endpoint.engine,
+                    endpoint.base_url,
+                    endpoint.model,
+                    [ids for ids, _ in tokenized],
+                    endpoint.engine.settings.max_num_seqs,
+                )
             )
-        )
+            if all(not isinstance(reply, str) for reply in replies) or not self._engine_restarted():
+                break
         samples = []
         for row, (ids, mask), reply in zip(rows, tokenized, replies, strict=True):
             if isinstance(reply, str):  # the shard cannot be produced: the stage fails (and resumes)
@@ -249,6 +248,17 @@ class HiddenStateProducer:
             **{TARGET_DTYPE_KEY: endpoint.engine.settings.dtype},
         )
         return shard_to_bytes(pack_hidden_shard(samples), metadata), sum(len(ids) for ids, _ in tokenized)
+
+    def _engine_restarted(self) -> bool:
+        """After a failed request: whether the engine server was started again since this producer's
+        requests went to it (it had died: restarted now, or by another producer's call); ask again then.
+        Files its dead process left in the connector folder are never read: only replies name files."""
+        server = self.spec.endpoint.server if self.spec.endpoint is not None else None
+        if server is None:
+            return False
+        starts = int(ray.get(server.ensure_running.remote()))
+        restarted, self._engine_starts = starts > self._engine_starts, starts
+        return restarted
 
     def stats(self) -> ProducerStats:
         return ProducerStats(**self._stats, seconds=round(self._seconds, 3))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def tokenize_conversation(
     tokenizer: Any, messages: list[dict[str, str]], max_length: int
@@ -32,3 +34,12 @@ def tokenize_conversation(
         ids.extend(answer)
         mask.extend([1] * len(answer))
     return ids[:max_length], mask[:max_length]
+
+
+def token_sample(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> dict[str, torch.Tensor]:
+    """The conversation as a sample's token tensors: `input_ids` (long) and `loss_mask` (uint8)."""
+    ids, mask = tokenize_conversation(tokenizer, messages, max_length)
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+    }

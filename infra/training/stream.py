@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -109,6 +110,7 @@ class StreamReport:
     producers: list[ProducerStats]
     watch: ObjectStoreWatch
     cache_manifest: Manifest | None = None
+    engine_restarts: int | None = None  # backend engine: times its server died and was started again
 
 
 @dataclass
@@ -119,10 +121,12 @@ class HiddenStateStream:
     skipped: int
     max_bytes_in_flight: int
     watch: ObjectStoreWatch = field(default_factory=ObjectStoreWatch)
+    endpoint: EngineEndpoint | None = None
 
     def report(self, cache_manifest: Manifest | None = None) -> StreamReport:
         stats = list(ray.get([producer.stats.remote() for producer in self.hidden.producers]))
         shards = self.hidden.shards
+        server = self.endpoint.server if self.endpoint is not None else None
         return StreamReport(
             shards=len(shards),
             samples=sum(len(s.conversations) for s in shards),
@@ -133,6 +137,7 @@ class HiddenStateStream:
             producers=stats,
             watch=self.watch,
             cache_manifest=cache_manifest,
+            engine_restarts=None if server is None else int(ray.get(server.start_count.remote())) - 1,
         )
 
 
@@ -190,10 +195,12 @@ def _engine_endpoint(config: ExperimentConfig, pids: PidRecord) -> Iterator[Engi
     )
     server = start_server_actor(engine, target_path, run_dir, "extraction", pids=pids)
     try:
-        yield EngineEndpoint(engine, server.base_url, server.model_name)
+        yield EngineEndpoint(engine, server.base_url, server.model_name, server.actor)
     finally:
         server.stop()
         pids.forget("engine-extraction")
+        # What a server killed mid-request left behind (no reply named those files; none were read).
+        shutil.rmtree(hidden_dir, ignore_errors=True)
 
 
 @contextmanager
@@ -224,7 +231,9 @@ def stream_from(
     producers = [producer_class.remote(spec) for _ in range(int(section.num_actors))]
     try:
         pids.add("producers", [int(pid) for pid in ray.get([p.pid.remote() for p in producers])])
-        yield _planned(config, producers, count, cache_uri)
+        stream = _planned(config, producers, count, cache_uri)
+        stream.endpoint = endpoint
+        yield stream
     finally:
         kill_actors(producers)
         pids.forget("producers")
