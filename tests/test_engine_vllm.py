@@ -26,11 +26,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from draftloop.cli import app
+from draftloop.commands.diagnose import format_diagnosis
 from draftloop.infra.engines.base import Speculation, get_engine
 from draftloop.infra.engines.doctor import run_doctor
 from draftloop.infra.engines.pairing import DrafterPairingError
 from draftloop.infra.engines.server import EngineServer, EngineStartError
 from draftloop.infra.evaluation.benchmark import benchmark_server
+from draftloop.infra.evaluation.diagnose import diagnose
 from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts
@@ -106,12 +108,16 @@ def test_tiny_llama_engine_matches_simulator_and_is_lossless(llama_eval: Any) ->
     }
 
 
-def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path: Path) -> None:
+def test_off_by_one_layer_ids_are_an_integration_fault_named_by_diagnose(
+    llama_eval: Any, tmp_path: Path
+) -> None:
     """The conventions bug: ids exported one lower (layer_output written where vLLM reads layer_input).
 
-    Both checks must see it: the engine-vs-simulator acceptance comparison (tiny-llama's layers carry
-    distinct markers, like real models' layer-specific activations, so the shift costs acceptance) and
-    the comparison of the exported ids with the ids recorded at training.
+    Every check must see it: the engine-vs-simulator acceptance comparison (tiny-llama's layers carry
+    distinct markers, like real models' layer-specific activations, so the shift costs acceptance), the
+    comparison of the exported ids with the ids recorded at training, and diagnose's readings: the
+    simulator fed the layers vLLM reads reproduces the engine's acceptance, fed the trained ones it
+    accepts more — the cause, with the export command that fixes it.
     """
     pair, drafter_dir, simulator, good = llama_eval
     shifted = shift_exported_layer_ids(drafter_dir, tmp_path / "shifted", -1)
@@ -121,20 +127,102 @@ def test_off_by_one_layer_ids_are_an_integration_fault(llama_eval: Any, tmp_path
     assert doctor["layer_ids"]["layer_input_ids"] == [0, 2, 4]
     assert doctor["layer_ids"]["trained_layer_input_ids"] == [1, 3, 5]
     plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
-    report = evaluate(
-        engine, plan, pair.target_dir, shifted, pair.held_out_prompts, tmp_path / "eval",
-        simulator=simulator, baseline=good.baseline,
-    )  # fmt: skip
+    diagnosis = diagnose(
+        engine,
+        plan,
+        pair.target_dir,
+        shifted,
+        pair.held_out_prompts,
+        tmp_path / "eval",
+        baseline=good.baseline,
+    )
+    report = diagnosis.report
+    assert report is not None
     acceptance = report.engine_acceptance
     print(
         f"\n[off-by-one] engine {acceptance and acceptance['acceptance_rate']} vs {simulator.acceptance_rate}"
     )
+    print(format_diagnosis(diagnosis))
     assert report.verdict == VERDICT_FAULT
     assert any("trained on layer_input [1, 3, 5]" in reason for reason in report.reasons), report.reasons
-    assert any("engine acceptance rate" in reason for reason in report.reasons), report.reasons
     assert acceptance is not None and simulator.acceptance_rate - acceptance["acceptance_rate"] > TOLERANCE
     assert report.lossless  # still lossless: the verifier rejects the bad drafts
-    assert acceptance is not None and acceptance["num_drafts"] > 0
+    assert diagnosis.verdict == VERDICT_FAULT and diagnosis.exit_code == 4
+    assert diagnosis.cause is not None and diagnosis.cause.name == "layer_id_convention", diagnosis.cause
+    served, trained = (
+        next(f for f in diagnosis.readings if f.reading.engine_reads == e) for e in (True, False)
+    )
+    assert served.reading.capture_ids == (0, 2, 4) and trained.reading.capture_ids == (1, 3, 5)
+    # The engine's acceptance is the one the simulator gives when fed what vLLM reads.
+    assert (
+        served.acceptance_rate is not None
+        and abs(served.acceptance_rate - acceptance["acceptance_rate"]) <= TOLERANCE
+    )
+    assert diagnosis.cause.fix == f"draftloop export --drafter {shifted} --engine vllm --out {shifted}-vllm"
+    fixed = CliRunner().invoke(app, diagnosis.cause.fix.split()[1:])
+    assert fixed.exit_code == 0, fixed.output
+    assert json.loads(Path(f"{shifted}-vllm", "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [1, 3, 5]
+
+
+def test_diagnose_says_ok_for_the_export_as_trained(llama_eval: Any, tmp_path: Path) -> None:
+    pair, drafter_dir, _simulator, good = llama_eval
+    engine = get_engine("vllm", vllm_settings())
+    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
+    diagnosis = diagnose(
+        engine,
+        plan,
+        pair.target_dir,
+        drafter_dir,
+        pair.held_out_prompts,
+        tmp_path / "eval",
+        baseline=good.baseline,
+    )
+    print("\n" + format_diagnosis(diagnosis))
+    assert diagnosis.verdict == "ok" and diagnosis.exit_code == 0, diagnosis.reasons
+    assert diagnosis.cause is None and len(diagnosis.readings) == 1  # the engine reads what it was trained on
+    assert diagnosis.engine is not None and diagnosis.simulator is not None
+    gap = abs(diagnosis.engine["acceptance_rate"] - diagnosis.simulator["acceptance_rate"])
+    assert gap <= TOLERANCE
+    assert diagnosis.served_command is not None and "--speculative-config" in diagnosis.served_command
+    assert diagnosis.smoke_text
+
+
+def test_a_published_sglang_folder_on_vllm_is_named_a_convention_fault(
+    llama_eval: Any, tmp_path: Path
+) -> None:
+    """An SGLang/SpecForge folder (ids in layer_output, eagle_config) without a draftloop record served by
+    vLLM: read both ways, the layer_output reading is the one it was trained on; the fix is an export."""
+    pair, _drafter_dir, _simulator, good = llama_eval
+    published = tmp_path / "published-sglang"
+    get_engine("sglang").export_drafter(pair.drafter, published)
+    config = json.loads((published / "config.json").read_text())
+    del config["draftloop"]  # as published: no record of the convention
+    (published / "config.json").write_text(json.dumps(config))
+    engine = get_engine("vllm", vllm_settings())
+    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
+    diagnosis = diagnose(
+        engine,
+        plan,
+        pair.target_dir,
+        published,
+        pair.held_out_prompts,
+        tmp_path / "eval",
+        baseline=good.baseline,
+    )
+    print("\n" + format_diagnosis(diagnosis))
+    assert diagnosis.folder.format == "sglang" and "both" in diagnosis.folder.stated
+    assert diagnosis.verdict == VERDICT_FAULT and diagnosis.cause is not None
+    assert (
+        diagnosis.cause.name == "layer_id_convention"
+        and "layer_output convention" in diagnosis.cause.explanation
+    )
+    assert diagnosis.cause.fix is not None and "--convention layer_output" in diagnosis.cause.fix
+    fixed = CliRunner().invoke(app, diagnosis.cause.fix.split()[1:])
+    assert fixed.exit_code == 0, fixed.output
+    exported = json.loads(Path(f"{published}-vllm", "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # what it was trained on, for vLLM
 
 
 def test_standard_attention_drafter_on_mla_target_refused_before_startup(

@@ -18,6 +18,7 @@ from draftloop.infra.engines.server import StartServer
 from draftloop.infra.evaluation.benchmark import ServerRun, benchmark_server
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.simulator import (
+    DrafterReading,
     NumericMode,
     SimulatorFigures,
     encode_prompts,
@@ -84,9 +85,11 @@ def measure(
     *,
     baseline: ServerRun | None,
     simulator: SimulatorFigures | None,
+    reading: DrafterReading | None = None,
 ) -> Measurements:
     """Measure the plan's servers on `prompts` (see the module's docstring). `simulator`: figures
-    measured before on the same prompts (k, max_tokens), kept as given; None runs the simulator here."""
+    measured before on the same prompts (k, max_tokens), kept as given; None runs the simulator here.
+    `reading`: how the simulator reads the drafter folder (simulator.DrafterReading)."""
     prompt_ids = encode_prompts(target_dir, prompts, trust_remote_code=plan.trust_remote_code)
     k, ks = plan.num_speculative_tokens, plan.ks
     if baseline is None:
@@ -100,7 +103,7 @@ def measure(
         prediction = run_simulator(
             target_dir, drafter_dir, prompts, max(ks), plan.max_tokens, mode=simulator_mode,
             follow_token_ids=_replayable(baseline, len(prompts)), engine_outputs=baseline.outputs,
-            trust_remote_code=plan.trust_remote_code,
+            trust_remote_code=plan.trust_remote_code, reading=reading,
         )  # fmt: skip
 
     layer_id_mismatch = exported_layer_id_mismatch(engine, drafter_dir)
@@ -136,6 +139,7 @@ def measure(
             follow_token_ids=_replayable(speculative, len(prompts)),
             engine_outputs=speculative.outputs,
             trust_remote_code=plan.trust_remote_code,
+            reading=reading,
         )
     return Measurements(
         baseline=baseline,

@@ -30,7 +30,7 @@ from draftloop.infra.evaluation.measure import measure
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.plots import write_plots
 from draftloop.infra.evaluation.report import EvalReport, make_report
-from draftloop.infra.evaluation.simulator import SimulatorFigures
+from draftloop.infra.evaluation.simulator import DrafterReading, SimulatorFigures
 
 
 def evaluate(
@@ -45,6 +45,7 @@ def evaluate(
     start_server: StartServer | None = None,
     baseline: ServerRun | None = None,
     simulator: SimulatorFigures | None = None,
+    reading: DrafterReading | None = None,
 ) -> EvalReport:
     """Baseline vs speculative on `prompts` by `plan`; writes eval_report.json and the plots under run_dir.
 
@@ -52,7 +53,8 @@ def evaluate(
     a context manager yielding a running server (None: an EngineServer in this process; the stage's
     runs each in a Ray actor). `baseline`: a ServerRun measured before on the same prompts (skips the
     baseline server). `simulator`: figures measured before on the same prompts (k, max_tokens),
-    compared as given (None: the simulator runs here).
+    compared as given (None: the simulator runs here). `reading`: how the simulator reads the drafter
+    folder (a published one without a draftloop record: as the engine reads it).
     """
     target_dir = Path(target_dir).resolve()
     drafter_dir = Path(drafter_dir).resolve()
@@ -70,8 +72,9 @@ def evaluate(
     engine.check_python()
     start = start_server or local_server_starter(engine, target_dir, run_dir)
     measured = measure(
-        engine, plan, target_dir, drafter_dir, prompts, start, baseline=baseline, simulator=simulator
-    )
+        engine, plan, target_dir, drafter_dir, prompts, start, baseline=baseline, simulator=simulator,
+        reading=reading,
+    )  # fmt: skip
     judged = judge(plan, measured, categories=categories, contract_warnings=contract_warnings)
     report = make_report(engine, plan, target_dir, drafter_dir, len(prompts), measured, judged)
     report.plots = write_plots(report, run_dir / "plots")

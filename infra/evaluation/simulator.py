@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from draftloop.infra.engines.base import EngineSettings, read_json
+from draftloop.kernels.layer_ids import LayerIds
 
 # The dtypes torch runs a transformers model in on any device.
 SIMULATOR_DTYPES = ("float32", "bfloat16", "float16")
@@ -203,6 +204,20 @@ def first_divergence(
     return None
 
 
+@dataclass(frozen=True)
+class DrafterReading:
+    """How the simulator reads a drafter folder; None fields: as saved.
+
+    `convention`: the ids' convention of a folder without a draftloop record (a published drafter).
+    `capture_ids` (layer_input): feed the drafter these target layers instead of its own (what an engine
+    may have done with the folder). `folder`: load this view of it instead (the same weights, a config
+    completed with ids where the folder names none)."""
+
+    convention: str | None = None
+    capture_ids: LayerIds | None = None
+    folder: Path | None = None
+
+
 def run_simulator(
     target_dir: Path,
     drafter_dir: Path,
@@ -214,12 +229,14 @@ def run_simulator(
     follow_token_ids: Sequence[Sequence[int]] | None = None,
     engine_outputs: Sequence[str] | None = None,
     trust_remote_code: bool = False,
+    reading: DrafterReading | None = None,
 ) -> SimulatorFigures:
     """Run kernels' simulator in `mode` with the drafter as saved (the ids it was trained on).
 
     `follow_token_ids` (per prompt, the speculative server's output): replay along them. Otherwise free
     running; `engine_outputs` (the server's texts) then mark the prompts whose texts differ as divergent.
     `trust_remote_code`: run the Python code the target folder ships (target.trust_remote_code).
+    `reading`: how to read the drafter folder (None: as saved, with its draftloop record).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,7 +249,8 @@ def run_simulator(
         target_dir, dtype=dtype, trust_remote_code=trust_remote_code
     ).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
-    drafter = load_drafter(drafter_dir, dtype=dtype)
+    reading = reading or DrafterReading()
+    drafter = load_drafter(reading.folder or drafter_dir, dtype=dtype, convention=reading.convention)
     embed, _head, _norm = load_target_head(target_dir)
     drafter.attach_embeddings(embed.to(dtype))
     report = simulate_acceptance(
@@ -243,6 +261,8 @@ def run_simulator(
         k=k,
         max_new_tokens=max_tokens,
         follow_token_ids=follow_token_ids,
+        layer_ids=reading.capture_ids,
+        allow_layer_mismatch=reading.capture_ids is not None,
     )
     figures: list[PromptFigures] = []
     for index, result in enumerate(report.results):

@@ -1,0 +1,139 @@
+"""`draftloop diagnose` on bad input (exit 2, one line, before any server) and `draftloop export`: the
+conversions between engine folders, ids converted, the draftloop record kept. No engine runs here;
+the diagnoses themselves are in tests/test_engine_vllm.py (served by the real vLLM)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from draftloop.cli import app
+from draftloop.infra.engines.base import get_engine
+from draftloop.infra.evaluation.diagnose import read_folder, readings_of
+from draftloop.kernels.checkpoint import load_drafter
+from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
+from draftloop.kernels.layer_ids import LayerIds
+
+RUNNER = CliRunner()
+
+
+@pytest.fixture
+def target(zoo_target_dir: Callable[[str], Path]) -> Path:
+    return zoo_target_dir("tiny-llama")
+
+
+def _drafter(target: Path) -> Eagle3Drafter:
+    config = json.loads((target / "config.json").read_text())
+    torch.manual_seed(0)
+    return Eagle3Drafter(DrafterConfig.for_target(config, LayerIds((1, 3, 5)), None))
+
+
+def _errors(result: object) -> list[str]:
+    output = getattr(result, "stderr", "") or getattr(result, "output", "")
+    return [line for line in output.splitlines() if line.strip()]
+
+
+def test_a_folder_that_is_no_drafter_exits_2_in_one_line(target: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = RUNNER.invoke(app, ["diagnose", "--target", str(target), "--drafter", str(target)])
+    assert result.exit_code == 2, result.output
+    (line,) = _errors(result)
+    assert line.startswith("error: --drafter: ") and str(target) in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = RUNNER.invoke(app, ["diagnose", "--target", str(target), "--drafter", str(empty)])
+    assert result.exit_code == 2 and _errors(result) == [
+        f"error: --drafter: {empty} is not a drafter folder (no config.json)"
+    ]
+    result = RUNNER.invoke(app, ["diagnose", "--target", str(empty), "--drafter", str(empty)])
+    assert result.exit_code == 2 and "--target" in _errors(result)[0]
+    assert time.monotonic() - started < 30
+
+
+def test_readings_of_a_published_folder_cover_both_conventions(target: Path, tmp_path: Path) -> None:
+    published = get_engine("sglang").export_drafter(_drafter(target), tmp_path / "sglang")
+    config = json.loads((published / "config.json").read_text())
+    del config["draftloop"]
+    (published / "config.json").write_text(json.dumps(config))
+    folder = read_folder(published)
+    assert folder.format == "sglang" and folder.config_ids == [0, 2, 4] and folder.trained_ids is None
+    readings = readings_of(get_engine("vllm"), folder, depth=6)
+    # vLLM reads [0, 2, 4] as layer_input (= that trained candidate); as layer_output they are [1, 3, 5].
+    assert [(r.capture_ids, r.engine_reads, r.trained) for r in readings] == [
+        ((0, 2, 4), True, True),
+        ((1, 3, 5), False, True),
+    ]
+
+
+def test_export_converts_ids_and_keeps_the_record(target: Path, tmp_path: Path) -> None:
+    native = get_engine("vllm").export_drafter(
+        _drafter(target), tmp_path / "native", metadata={"note": "kept"}
+    )
+    for engine, ids in (("sglang", [0, 2, 4]), ("vllm", [1, 3, 5])):
+        out = tmp_path / f"as-{engine}"
+        result = RUNNER.invoke(
+            app, ["export", "--drafter", str(native), "--engine", engine, "--out", str(out)]
+        )
+        assert result.exit_code == 0, result.output
+        config = json.loads((out / "config.json").read_text())
+        assert config["eagle_aux_hidden_state_layer_ids"] == ids
+        assert config["draftloop"]["aux_layer_ids"] == [1, 3, 5]  # trained ids, layer_input
+        assert config["draftloop"]["metadata"] == {"note": "kept"}
+    out = tmp_path / "speculators"
+    result = RUNNER.invoke(
+        app,
+        [
+            "export",
+            "--drafter",
+            str(native),
+            "--engine",
+            "speculators",
+            "--out",
+            str(out),
+            "--target",
+            str(target),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    reloaded = load_drafter(out)
+    assert reloaded.config.aux_layer_ids.as_input() == (1, 3, 5)
+
+
+def test_export_of_a_folder_without_record_needs_its_convention(target: Path, tmp_path: Path) -> None:
+    published = get_engine("sglang").export_drafter(_drafter(target), tmp_path / "published")
+    config = json.loads((published / "config.json").read_text())
+    del config["draftloop"]
+    (published / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = RUNNER.invoke(
+        app, ["export", "--drafter", str(published), "--engine", "vllm", "--out", str(out)]
+    )
+    assert result.exit_code == 2 and "either convention" in result.output, result.output
+    assert not out.exists(), "nothing written on a refusal"
+    result = RUNNER.invoke(
+        app,
+        [
+            "export",
+            "--drafter",
+            str(published),
+            "--engine",
+            "vllm",
+            "--convention",
+            "sglang",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    again = RUNNER.invoke(app, ["export", "--drafter", str(published), "--engine", "vllm", "--out", str(out)])
+    assert again.exit_code == 2 and "already holds" in again.output
+    shutil.rmtree(out)
