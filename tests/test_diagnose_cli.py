@@ -137,3 +137,18 @@ def test_export_of_a_folder_without_record_needs_its_convention(target: Path, tm
     again = RUNNER.invoke(app, ["export", "--drafter", str(published), "--engine", "vllm", "--out", str(out)])
     assert again.exit_code == 2 and "already holds" in again.output
     shutil.rmtree(out)
+
+
+def test_the_diagnose_deployment_has_a_typed_form_and_refuses_a_non_drafter(target: Path) -> None:
+    from prefect.utilities.callables import parameter_schema
+
+    from draftloop.flows.diagnose import diagnose
+    from draftloop.infra.evaluation.diagnose_request import DiagnoseInputError
+
+    schema = parameter_schema(diagnose).model_dump_for_openapi()
+    properties = schema["properties"]
+    assert properties["engine"]["enum"] == ["vllm", "sglang"]
+    assert properties["dtype"]["enum"] == ["float32", "bfloat16", "float16", "auto"]
+    assert set(schema["required"]) == {"target", "drafter"}
+    with pytest.raises(DiagnoseInputError, match=r"^drafter: .* no fc.weight"):
+        diagnose.fn(target=str(target), drafter=str(target))

@@ -26,13 +26,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from draftloop.cli import app
-from draftloop.commands.diagnose import format_diagnosis
 from draftloop.infra.engines.base import Speculation, get_engine
 from draftloop.infra.engines.doctor import run_doctor
 from draftloop.infra.engines.pairing import DrafterPairingError
 from draftloop.infra.engines.server import EngineServer, EngineStartError
 from draftloop.infra.evaluation.benchmark import benchmark_server
-from draftloop.infra.evaluation.diagnose import diagnose
+from draftloop.infra.evaluation.diagnose import diagnose, format_diagnosis
 from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts

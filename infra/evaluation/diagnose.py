@@ -381,3 +381,54 @@ def clean_run_dir(run_dir: Path) -> None:
     """A diagnosis's scratch folder, emptied before it starts (servers' logs of an earlier one)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _rate(value: Any, digits: int = 3) -> str:
+    return "-" if value is None else f"{float(value):.{digits}f}"
+
+
+def format_diagnosis(diagnosis: Diagnosis) -> str:
+    """The verdict first, then engine and simulator side by side, the readings, the cause and its fix."""
+    lines = [f"verdict: {diagnosis.verdict}"]
+    lines += [f"  - {reason}" for reason in diagnosis.reasons]
+    lines.append(f"folder: {diagnosis.folder.path} ({diagnosis.folder.format}; {diagnosis.folder.stated})")
+    engine, simulator = diagnosis.engine or {}, diagnosis.simulator or {}
+    lines.append(f"{'':28}{'engine':>10}{'simulator':>11}")
+    for label, key in (
+        ("acceptance rate", "acceptance_rate"),
+        ("mean acceptance length", "mean_acceptance_length"),
+    ):
+        lines.append(f"{label:28}{_rate(engine.get(key)):>10}{_rate(simulator.get(key)):>11}")
+    positions = max(len(engine.get("per_position") or []), len(simulator.get("per_position") or []))
+    for index in range(positions):
+        engine_value = (engine.get("per_position") or [None] * positions)[index]
+        simulator_value = (simulator.get("per_position") or [None] * positions)[index]
+        lines.append(f"{'  position ' + str(index):28}{_rate(engine_value):>10}{_rate(simulator_value):>11}")
+    if diagnosis.readings:
+        lines.append("readings (the simulator along the engine's output):")
+        for figures in diagnosis.readings:
+            marks = ", ".join(
+                m
+                for m, on in (("engine", figures.reading.engine_reads), ("trained", figures.reading.trained))
+                if on
+            )
+            layers = list(figures.reading.capture_ids)
+            lines.append(
+                f"  layers {layers} ({figures.reading.label}; {marks}): acceptance "
+                f"{_rate(figures.acceptance_rate)}, AL {_rate(figures.mean_acceptance_length)}"
+            )
+    for level, speedup in diagnosis.speedup.items():
+        interval = speedup.get("interval") or [None, None]
+        lines.append(
+            f"speedup at concurrency {level}: {_rate(speedup.get('speedup'), 2)}x "
+            f"[{_rate(interval[0], 2)}, {_rate(interval[1], 2)}] {speedup.get('status')}"
+        )
+    if diagnosis.cause is not None:
+        lines.append(f"cause: {diagnosis.cause.name}: {diagnosis.cause.explanation}")
+        if diagnosis.cause.fix:
+            lines.append(f"fix: {diagnosis.cause.fix}")
+    if diagnosis.served_command:
+        lines.append(f"served: {diagnosis.served_command}")
+    if diagnosis.smoke_text is not None:
+        lines.append(f"smoke request: {diagnosis.smoke_text!r}")
+    return "\n".join(lines)
