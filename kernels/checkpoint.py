@@ -283,7 +283,12 @@ def load_drafter(
             weights["t2d"] = t2d
     missing = sorted(set(expected) - set(weights))
     if missing:
-        raise DrafterFormatError(f"{source}: tensors missing {missing[:8]}", check="tensors")
+        held = sorted(set(raw))
+        raise DrafterFormatError(
+            f"{source}: tensors missing {missing[:8]}, which {folder / 'config.json'} implies; the file "
+            f"holds {held[:8]}{' ...' if len(held) > 8 else ''}",
+            check="tensors",
+        )
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         raise DrafterFormatError(f"{source}: unexpected tensors {unexpected[:8]}", check="tensors")

@@ -79,7 +79,10 @@ def test_a_drafter_made_for_its_target_keeps_the_whole_contract(target: Path, tm
 def test_rope_theta_other_than_the_targets_is_refused(target: Path, tmp_path: Path) -> None:
     drafter, _ = make_drafter(target, tmp_path / "d", config_changes={"rope_theta": 500000.0})
     message = refusal(target, drafter)
-    assert "rope_theta 500000 != target rope_theta 10000" in message
+    assert (
+        f"rope_theta 500000.0 in {drafter}/config.json vs the target's 10000.0 in {target}/config.json"
+        in message
+    )
 
 
 def test_rope_scaling_other_than_the_targets_is_refused(target: Path, tmp_path: Path) -> None:

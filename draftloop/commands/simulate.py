@@ -67,9 +67,9 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _load_target(path: Path, *, trust_remote_code: bool = False) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
+    """The target's tokenizer, once its folder is known complete (its weights are loaded later)."""
+    from transformers import AutoTokenizer
 
     from draftloop.kernels.files import check_target_weights
 
@@ -77,13 +77,43 @@ def _load_target(path: Path, *, trust_remote_code: bool = False) -> tuple[Any, A
         raise _fail(f"--target: {path} is not a Hugging Face model folder (no config.json)")
     try:
         check_target_weights(path)  # a missing or truncated weights file, named (DrafterFormatError)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise _fail(f"--target: cannot load {path}: {error}") from None
+
+
+def _load_target_model(path: Path, *, trust_remote_code: bool = False) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as error:
         raise _fail(f"--target: cannot load {path}: {error}") from None
-    return model.eval(), tokenizer  # simulate_acceptance moves it to --device
+    return model.eval()  # simulate_acceptance moves it to --device
+
+
+def _refuse_beyond_rope_length(
+    tokenizer: Any, prompts: list[str], prompts_file: Path, max_new_tokens: int, drafter: Path, positions: int
+) -> None:
+    """Refuse, before simulating, a prompt whose tokens plus the output reach beyond the drafter's RoPE
+    length: its acceptance there would say nothing about the drafter (it never saw those positions)."""
+    from draftloop.kernels.simulate import SimulationInputError, encode_prompt
+
+    try:  # tokenized as simulate_acceptance sends them (chat template applied)
+        lengths = [len(encode_prompt(tokenizer, prompt)) for prompt in prompts]
+    except SimulationInputError as error:
+        raise _fail(str(error)) from None
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + max_new_tokens > positions:
+        raise _fail(
+            f"--max-new-tokens: prompt {longest + 1} of {prompts_file} is {lengths[longest]} tokens (the "
+            f"target's chat template applied); with --max-new-tokens {max_new_tokens} it reaches "
+            f"{lengths[longest] + max_new_tokens} positions, beyond the drafter's max_position_embeddings "
+            f"{positions} in {drafter / 'config.json'}: lower --max-new-tokens or shorten the prompt"
+        )
 
 
 def _print_report(report: Any) -> None:
@@ -176,7 +206,11 @@ def simulate(
         draft_model = load_drafter(drafter, device=device, convention=convention)
     except DrafterFormatError as error:
         raise _fail(f"--drafter: {error}") from None
-    target_model, tokenizer = _load_target(target, trust_remote_code=trust_remote_code)
+    tokenizer = _load_tokenizer(target, trust_remote_code=trust_remote_code)
+    _refuse_beyond_rope_length(
+        tokenizer, prompt_texts, prompts, max_new_tokens, drafter, draft_model.config.max_position_embeddings
+    )
+    target_model = _load_target_model(target, trust_remote_code=trust_remote_code)
     try:
         draft_model.attach_embeddings(target_model.get_input_embeddings().weight)
     except ValueError as error:

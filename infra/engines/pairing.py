@@ -13,12 +13,17 @@ verdict reports. The clauses:
   implies, finite, and its d2t holds offsets (draft id + d2t[draft id] = target id) inverse to t2d;
 - the drafter was made for this target: hidden size, vocabulary, aux layer ids within its depth;
 - RoPE: rope_theta and rope_scaling equal the target's; max_position_embeddings covers the served
-  max_model_len (a drafter made for 2k positions served at 8k silently loses acceptance);
+  max_model_len (a drafter made for 2k positions served at 8k silently loses acceptance), or the rows
+  a fine-tuning trains on (`FineTuneContract`);
+- a drafter to fine-tune from records which target layers its aux ids name (its draftloop block), or
+  the config names their convention: read in the wrong one, it would fuse other layers than it learnt;
 - what training recorded in the draftloop block (`kernels.contract.contract_record`): the last hidden
   state after the final norm; the chat template synthesis rendered with is the one served (sha256);
   the target dtype and quantization the hidden states came from against the served ones (warnings).
 
-A published drafter (no draftloop block) has no record: those clauses have nothing to compare.
+A published drafter (no draftloop block) has no record: those clauses have nothing to compare. A
+fine-tuning (`FineTuneContract`, what config validation passes for training.drafter_init) retrains on the
+config's own data, so the clauses about what the folder was trained on are not its business.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from draftloop.infra.engines.base import Engine, EngineConfigError, read_json
+from draftloop.infra.engines.base import Engine, EngineConfigError, drafter_config_layer_ids, read_json
 from draftloop.kernels.checkpoint import load_drafter, read_drafter_config
 from draftloop.kernels.contract import (
     CHAT_TEMPLATE_KEY,
@@ -58,6 +63,16 @@ class ContractIssue:
     def __str__(self) -> str:
         where = "" if self.file in self.message else f" ({self.file})"
         return f"{self.check}: {self.message}{where}"
+
+
+@dataclass(frozen=True)
+class FineTuneContract:
+    """What training does with a drafter folder it starts from (training.drafter_init): trains on rows of
+    up to `max_length` tokens (data.max_length), reading a published drafter's aux ids in
+    `layer_id_convention` (training.drafter_init_convention; None: the folder must record them)."""
+
+    max_length: int
+    layer_id_convention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,7 @@ class _Pair:
     drafter_config: DrafterConfig | None  # None when the drafter's config cannot be read
     target_view: DrafterConfig | None  # the drafter the target's config implies (same normalisation)
     serving: ServingContract | None
+    fine_tune: FineTuneContract | None
 
     @property
     def target_file(self) -> str:
@@ -172,7 +188,14 @@ def _check_drafter_tensors(pair: _Pair) -> Iterator[ContractIssue]:
 
 
 def _convention(pair: _Pair) -> str:
-    return (pair.serving.layer_id_convention if pair.serving else None) or "layer_input"
+    return _reading_convention(pair.serving, pair.fine_tune)
+
+
+def _reading_convention(serving: ServingContract | None, fine_tune: FineTuneContract | None) -> str:
+    """The convention a published drafter's ids are read in: the engine's, the fine-tuning's, else
+    layer_input (vLLM's; a missing record is its own clause, `_check_layer_id_record`)."""
+    named = serving.layer_id_convention if serving else fine_tune.layer_id_convention if fine_tune else None
+    return named or "layer_input"
 
 
 def _check_drafter_config(pair: _Pair) -> Iterator[ContractIssue]:
@@ -181,6 +204,29 @@ def _check_drafter_config(pair: _Pair) -> Iterator[ContractIssue]:
             read_drafter_config(pair.drafter_dir, _convention(pair))
         except DrafterFormatError as error:
             yield ContractIssue("drafter_config", "error", pair.drafter_file, str(error))
+
+
+def _check_layer_id_record(pair: _Pair) -> Iterator[ContractIssue]:
+    """A fine-tuning without a named convention needs the folder's record of its ids' convention."""
+    if (
+        pair.fine_tune is None
+        or pair.fine_tune.layer_id_convention is not None
+        or pair.drafter_config is None
+    ):
+        return
+    try:
+        read_drafter_config(pair.drafter_dir, None)  # the record, or a format that fixes the convention
+    except DrafterFormatError:
+        ids = drafter_config_layer_ids(pair.drafter)
+        yield ContractIssue(
+            "layer_id_record",
+            "error",
+            pair.drafter_file,
+            f"{pair.drafter_file} has no 'draftloop' block recording the convention of its "
+            f"eagle_aux_hidden_state_layer_ids {ids}, and training.drafter_init_convention is null: "
+            "name it (layer_input | layer_output | vllm | sglang), or the drafter may fuse other target "
+            "layers than it was trained on",
+        )
 
 
 def _check_made_for_target(pair: _Pair) -> Iterator[ContractIssue]:
@@ -225,8 +271,8 @@ def _check_rope(pair: _Pair) -> Iterator[ContractIssue]:
                 "rope_theta",
                 "error",
                 pair.drafter_file,
-                f"drafter rope_theta {drafter.rope_theta:g} != target rope_theta {target.rope_theta:g} "
-                f"({pair.target_file}): positions would rotate differently",
+                f"rope_theta {drafter.rope_theta!r} in {pair.drafter_file} vs the target's "
+                f"{target.rope_theta!r} in {pair.target_file}: positions would rotate differently",
             )
         if (drafter.rope_scaling or None) != (target.rope_scaling or None):
             yield ContractIssue(
@@ -245,6 +291,20 @@ def _check_rope(pair: _Pair) -> Iterator[ContractIssue]:
             f"drafter max_position_embeddings {drafter.max_position_embeddings} < served "
             f"engine.max_model_len {served_length}: serve at most "
             f"{drafter.max_position_embeddings} tokens or use a drafter made for longer contexts",
+        )
+    trained_length = pair.fine_tune.max_length if pair.fine_tune is not None else None
+    if (
+        drafter is not None
+        and trained_length is not None
+        and drafter.max_position_embeddings < trained_length
+    ):
+        yield ContractIssue(
+            "max_position_embeddings",
+            "error",
+            pair.drafter_file,
+            f"max_position_embeddings {drafter.max_position_embeddings} in {pair.drafter_file} < "
+            f"data.max_length {trained_length}: training rows would reach positions its RoPE was not made "
+            "for; lower data.max_length or start from a drafter made for longer contexts",
         )
 
 
@@ -326,22 +386,27 @@ CHECKS: tuple[Check, ...] = (
     _check_target_weights,
     _check_drafter_config,
     _check_drafter_tensors,
+    _check_layer_id_record,
     _check_made_for_target,
     _check_rope,
     _check_final_norm,
     _check_chat_template,
     _check_target_numerics,
 )
+# What the folder was trained on: a fine-tuning retrains on the config's data and records its own.
+TRAINED_ON_CHECKS: tuple[Check, ...] = (_check_final_norm, _check_chat_template, _check_target_numerics)
 
 
-def _read_pair(target_dir: Path, drafter_dir: Path, serving: ServingContract | None) -> _Pair:
+def _read_pair(
+    target_dir: Path, drafter_dir: Path, serving: ServingContract | None, fine_tune: FineTuneContract | None
+) -> _Pair:
     target = read_json(Path(target_dir) / "config.json")
     drafter = read_json(Path(drafter_dir) / "config.json")
     block = drafter.get("draftloop")
     record = block.get("metadata") if isinstance(block, Mapping) else None
     try:
         drafter_config: DrafterConfig | None = read_drafter_config(
-            drafter_dir, (serving.layer_id_convention if serving else None) or "layer_input"
+            drafter_dir, _reading_convention(serving, fine_tune)
         )
     except DrafterFormatError:
         drafter_config = None
@@ -360,16 +425,23 @@ def _read_pair(target_dir: Path, drafter_dir: Path, serving: ServingContract | N
         drafter_config=drafter_config,
         target_view=target_view,
         serving=serving,
+        fine_tune=fine_tune,
     )
 
 
 def check_drafter_contract(
-    target_dir: Path, drafter_dir: Path, serving: ServingContract | None = None
+    target_dir: Path,
+    drafter_dir: Path,
+    serving: ServingContract | None = None,
+    fine_tune: FineTuneContract | None = None,
 ) -> list[ContractIssue]:
     """Every broken clause of the drafter contract, errors and warnings (see the module docstring).
-    Without `serving`, the clauses about what is served (max_model_len, dtype) are not checked."""
-    pair = _read_pair(Path(target_dir), Path(drafter_dir), serving)
-    return [issue for check in CHECKS for issue in check(pair)]
+    Without `serving`, the clauses about what is served (max_model_len, dtype) are not checked; with
+    `fine_tune`, those about the rows training reaches and the ids' convention are, not those about what
+    the folder was trained on."""
+    pair = _read_pair(Path(target_dir), Path(drafter_dir), serving, fine_tune)
+    checks = CHECKS if fine_tune is None else tuple(c for c in CHECKS if c not in TRAINED_ON_CHECKS)
+    return [issue for check in checks for issue in check(pair)]
 
 
 def check_drafter_pairing(

@@ -259,11 +259,15 @@ def find_cause(
     )
 
 
-def _overall(report: EvalReport) -> tuple[str, list[str]]:
-    """The evaluation's verdict in diagnose's four: an undecidable measurement is measurement_error."""
+def _overall(report: EvalReport, judge_speedup: bool) -> tuple[str, list[str]]:
+    """The evaluation's verdict in diagnose's four: an undecidable measurement is measurement_error.
+    Speedups measured against a baseline of another run (`judge_speedup` False) are reported, not judged:
+    load that changed between the two runs moves the ratio."""
     verdict, reasons = report.verdict, list(report.reasons)
     if verdict in (VERDICT_MODE_MISMATCH, VERDICT_INCONCLUSIVE):
         return MEASUREMENT_ERROR, reasons
+    if not judge_speedup:
+        return verdict, [*reasons, "speedup not judged: the baseline was measured in another run"]
     errors = [level for level in report.speedup_levels if level.status == SPEEDUP_MEASUREMENT_ERROR]
     if verdict == VERDICT_OK and errors:
         return MEASUREMENT_ERROR, reasons + [
@@ -347,7 +351,7 @@ def diagnose(
         )
     engine_rate = report.consistency.get("engine_rate") if report.consistency else None
     cause = find_cause(engine, folder, figures, engine_rate, report.acceptance_tolerance)
-    verdict, reasons = _overall(report)
+    verdict, reasons = _overall(report, judge_speedup=baseline is None)
     if cause is not None:
         verdict, reasons = (
             VERDICT_FAULT,

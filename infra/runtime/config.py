@@ -6,7 +6,9 @@ created or loaded: the target's depth and hidden size come from its config.json 
 for a zoo recipe not yet built, from the recipe; aux layer ids must fit that depth; a drafter to
 fine-tune must match the target's hidden size; the engine and its Python must exist; the storage root
 must be writable (local) or its bucket must exist (S3); what the target can or cannot do, in seconds
-(infra/targets/support.py). Every failure is a `ConfigError(field, reason)`.
+(infra/targets/support.py). With the target folder at hand, a drafter to fine-tune must keep the drafter
+contract (infra/engines/pairing.py: its tensors, RoPE, aux ids' convention) before any stage runs. Every
+failure is a `ConfigError(field, reason)`.
 
 Relative local paths resolve at load time against the config file's folder (the repository for its own
 configs/*.yaml), whatever the cwd (`base_dir` overrides), so the config means the same in every process.
@@ -40,6 +42,7 @@ from draftloop.infra.engines.base import (
     engine_class,
     is_loopback,
 )
+from draftloop.infra.engines.pairing import FineTuneContract, check_drafter_contract
 from draftloop.infra.targets import zoo
 from draftloop.infra.targets.support import TargetRefusedError, refuse_unsupported_target, target_model_config
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
@@ -142,6 +145,9 @@ AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 
 class TrainingConfig(_Section):
     drafter_init: str | None = None
+    # The convention of a drafter_init folder's aux ids when it has no draftloop block to record it
+    # (layer_input | layer_output, or the engine that reads them); null = the folder must record it.
+    drafter_init_convention: str | None = None
     draft_vocab_size: int | None = Field(default=None, ge=1)
     # The training loop's settings take their defaults from kernels/train.py's TrainConfig (the one place
     # they are declared; it says why the last three).
@@ -179,6 +185,11 @@ class TrainingConfig(_Section):
     # teacher-forced acceptance length on them goes to MLflow, and the best epoch is the one exported.
     # 0 = export the last epoch.
     held_out_samples: int = Field(default=32, ge=0)
+
+    @field_validator("drafter_init_convention")
+    @classmethod
+    def _known_convention(cls, value: str | None) -> str | None:
+        return convention_for(value) if value is not None else None
 
 
 class EngineConfig(_Section):
@@ -386,7 +397,7 @@ class ExperimentConfig(_Section):
         self._target_depth, self._target_hidden_size = depth, hidden_size
         self._check_target_support(check_environment)
         self._check_aux_layer_ids(depth)
-        self._check_drafter_init(hidden_size)
+        self._check_drafter_init(hidden_size, check_environment)
         self._check_prompts_source()
         if check_environment:
             self._check_engine_python()
@@ -452,13 +463,24 @@ class ExperimentConfig(_Section):
                 f"(extraction.layer_id_convention)",
             )
 
-    def _check_drafter_init(self, target_hidden_size: int) -> None:
+    def _check_drafter_init(self, target_hidden_size: int, check_environment: bool) -> None:
         init = self.training.drafter_init
         if init is None or _is_uri(init) or init.startswith("models:/"):
             return
         config_file = Path(init) / "config.json"
         if not config_file.is_file():
             raise ConfigError("training.drafter_init", f"no drafter config.json in {init}")
+        if check_environment and (Path(self.target.path) / "config.json").is_file():
+            # The target is here: the whole drafter contract, in seconds, not inside the train stage.
+            fine_tune = FineTuneContract(self.data.max_length, self.training.drafter_init_convention)
+            try:
+                issues = check_drafter_contract(Path(self.target.path), Path(init), fine_tune=fine_tune)
+            except EngineConfigError as error:  # an unreadable config.json
+                raise ConfigError("training.drafter_init", str(error)) from None
+            errors = [str(issue) for issue in issues if issue.severity == "error"]
+            if errors:
+                raise ConfigError("training.drafter_init", "; ".join(errors))
+            return
         try:
             drafter_config = json.loads(config_file.read_text())
         except (OSError, ValueError) as error:

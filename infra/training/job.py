@@ -41,6 +41,9 @@ class TrainingJob:
     held_out_samples: int  # asked for; at most a tenth of the data is held out
     acceptance_k: int  # draft length of the held-out acceptance estimate
     train: TrainConfig
+    # The convention of a published drafter_init's aux ids (training.drafter_init_convention); None: the
+    # folder records them. Last, with a default: jobs built without a drafter_init need not name it.
+    drafter_init_convention: str | None = None
 
     @classmethod
     def from_config(
@@ -84,4 +87,5 @@ class TrainingJob:
             held_out_samples=int(section.held_out_samples),
             acceptance_k=int(config.engine.num_speculative_tokens),
             train=train,
+            drafter_init_convention=section.drafter_init_convention,
         )

@@ -75,7 +75,7 @@ def _build_drafter(
     """(drafter with embeddings attached, target lm_head) — fresh from the target, or `drafter_init`."""
     embed, lm_head, final_norm = load_target_head(job.target_path)
     if job.drafter_init:
-        drafter = load_drafter(job.drafter_init)
+        drafter = load_drafter(job.drafter_init, convention=job.drafter_init_convention)
     else:
         target_config = json.loads((Path(job.target_path) / "config.json").read_text())
         config = DrafterConfig.for_target(target_config, job.aux_layer_ids, job.draft_vocab_size)
