@@ -230,28 +230,12 @@ def test_full_cycle_records_results_registry_and_artifacts(
     assert {"server-baseline.log", "server-speculative.log"} <= logs
 
 
-def test_training_with_two_ddp_workers(flow_env: FlowEnv, first_cycle: tuple[dict[str, Any], float]) -> None:
-    """Ray Train with 2 CPU workers (gloo): gradients averaged across workers, one drafter out."""
-    first, _ = first_cycle
-    overrides = {"training.num_workers": 2, "training.seed": 2}
-    summary, _ = run_cycle_in_process(flow_env, overrides, until="train")
-    assert summary["stages"]["extract"]["uri"] == first["stages"]["extract"]["uri"]
-    assert not summary["stages"]["train"]["cache_hit"]
-    manifest = _manifest(summary["stages"]["train"]["uri"])
-    assert manifest.summary["workers"] == 2
-    from draftloop.infra.runtime.storage import read_shard
-
-    history = json.loads(read_shard(manifest, "training_history.json"))["history"]
-    # Steps do not depend on the worker count: 8 samples per step over both workers, 3 steps per epoch.
-    assert len(history) == 2 * 3
-    assert history[-1]["loss"] < history[0]["loss"]
-
-
 def test_online_cycle_streams_hidden_states_and_stores_none(
     flow_env: FlowEnv, first_cycle: tuple[dict[str, Any], float]
 ) -> None:
-    """`extraction.mode: online`: no extract stage, the train stage streams from producers; served and
-    judged like the offline drafter (the same samples in the same order: the same acceptance)."""
+    """`extraction.mode: online` on two Ray Train workers (gloo DDP): no extract stage, the train stage
+    streams from producers to both; served and judged like the offline drafter (the same samples in the
+    same order, gradients averaged over the workers: the same acceptance)."""
     first, _ = first_cycle
     # One concurrency level, no repeats: the figure compared here is the prompt pass's acceptance.
     light_evaluation = {
@@ -263,7 +247,8 @@ def test_online_cycle_streams_hidden_states_and_stores_none(
     }
     root = Path(yaml_config(flow_env).storage.root) / "flow-test"
     extracted_before = sorted((root / "extract").iterdir())
-    summary, _ = run_cycle_in_process(flow_env, {"extraction.mode": "online", **light_evaluation})
+    online = {"extraction.mode": "online", "training.num_workers": 2}
+    summary, _ = run_cycle_in_process(flow_env, {**online, **light_evaluation})
     stages = summary["stages"]
     assert list(stages) == ["synthesize", "train", "evaluate", "register"]
     assert stages["synthesize"]["cache_hit"]
@@ -276,6 +261,12 @@ def test_online_cycle_streams_hidden_states_and_stores_none(
     )
     training = stream["samples"] - train["held_out_samples"]
     assert train["trained_per_sample"] == [{"1": training}] * train["epochs"]
+    assert train["workers"] == 2
+    from draftloop.infra.runtime.storage import read_shard
+
+    history = json.loads(read_shard(_manifest(stages["train"]["uri"]), "training_history.json"))["history"]
+    # Steps do not depend on the worker count: 8 samples per step over both workers, 3 steps per epoch.
+    assert len(history) == 2 * 3 and history[-1]["loss"] < history[0]["loss"]
     # No hidden state stored: no new extract dataset, and beside them only drafters.
     assert sorted((root / "extract").iterdir()) == extracted_before
     stored = {path.name for path in root.rglob("*.safetensors") if (root / "extract") not in path.parents}

@@ -167,8 +167,9 @@ def readings_of(engine: Engine, folder: FolderReading, depth: int) -> list[Readi
     else:
         candidates = [("the common defaults (no ids anywhere)", defaults)]
     for label, ids in candidates:
-        if ids == tuple(served):
-            readings[0] = Reading(f"{readings[0].label} = {label}", ids, engine_reads=True, trained=True)
+        if ids == tuple(served):  # the engine reads it one way it may have been trained on
+            merged = f"{readings[0].label}, {label}" if folder.trained_ids is not None else readings[0].label
+            readings[0] = Reading(merged, ids, engine_reads=True, trained=True)
         elif all(0 <= i < depth for i in ids):
             readings.append(Reading(label, ids, engine_reads=False, trained=True))
     return readings
