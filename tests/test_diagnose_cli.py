@@ -4,6 +4,7 @@ the diagnoses themselves are in tests/test_engine_vllm.py (served by the real vL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -152,3 +153,50 @@ def test_the_diagnose_deployment_has_a_typed_form_and_refuses_a_non_drafter(targ
     assert set(schema["required"]) == {"target", "drafter"}
     with pytest.raises(DiagnoseInputError, match=r"^drafter: .* no fc.weight"):
         diagnose.fn(target=str(target), drafter=str(target))
+
+
+def _saved(drafter: Eagle3Drafter, out: Path) -> Path:
+    return get_engine("vllm").export_drafter(drafter, out)
+
+
+def test_a_drafter_that_cannot_work_as_served_is_named_before_any_server(
+    target: Path, tmp_path: Path
+) -> None:
+    """RoPE shorter than the served length, d2t holding target ids: integration faults with the cause
+    named (exit 4) in seconds, from the contract, before a server would start."""
+    from draftloop.kernels.vocab import build_draft_vocab
+
+    config = json.loads((target / "config.json").read_text())
+    short = Eagle3Drafter(
+        dataclasses.replace(
+            DrafterConfig.for_target(config, LayerIds((1, 3, 5)), None), max_position_embeddings=128
+        )
+    )
+    ids_d2t = Eagle3Drafter(DrafterConfig.for_target(config, LayerIds((1, 3, 5)), 64))
+    counts = torch.arange(ids_d2t.config.vocab_size).flip(0)
+    ids_d2t.set_vocab_mapping(*build_draft_vocab(counts, ids_d2t.config.vocab_size, 64))
+    ids_d2t.d2t = torch.arange(64) + ids_d2t.d2t  # target ids where offsets belong
+    for drafter, cause, words in (
+        (short, "rope_shorter_than_served", "max_position_embeddings 128 < served engine.max_model_len 1024"),
+        (ids_d2t, "d2t_as_ids", "d2t holds absolute target ids, not offsets"),
+    ):
+        folder = _saved(drafter, tmp_path / cause)
+        started = time.monotonic()
+        result = RUNNER.invoke(
+            app,
+            [
+                "diagnose",
+                "--target",
+                str(target),
+                "--drafter",
+                str(folder),
+                "--json",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+        )
+        assert result.exit_code == 4, result.output
+        diagnosis = json.loads(result.stdout)
+        assert diagnosis["verdict"] == "integration_fault" and diagnosis["cause"]["name"] == cause
+        assert words in diagnosis["cause"]["explanation"], diagnosis["cause"]
+        assert time.monotonic() - started < 30

@@ -31,7 +31,7 @@ from draftloop.infra.engines.doctor import run_doctor
 from draftloop.infra.engines.pairing import DrafterPairingError
 from draftloop.infra.engines.server import EngineServer, EngineStartError
 from draftloop.infra.evaluation.benchmark import benchmark_server
-from draftloop.infra.evaluation.diagnose import diagnose, format_diagnosis
+from draftloop.infra.evaluation.diagnose import Diagnosis, diagnose, format_diagnosis
 from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts
@@ -107,6 +107,18 @@ def test_tiny_llama_engine_matches_simulator_and_is_lossless(llama_eval: Any) ->
     }
 
 
+def _diagnose(llama_eval: Any, drafter: Path, run_dir: Path) -> Diagnosis:
+    """diagnose() of `drafter` on tiny-llama, the evaluation's baseline reused (one server started)."""
+    pair, _drafter_dir, _simulator, good = llama_eval
+    engine = get_engine("vllm", vllm_settings())
+    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
+    diagnosis = diagnose(
+        engine, plan, pair.target_dir, drafter, pair.held_out_prompts, run_dir, baseline=good.baseline
+    )
+    print("\n" + format_diagnosis(diagnosis))
+    return diagnosis
+
+
 def test_off_by_one_layer_ids_are_an_integration_fault_named_by_diagnose(
     llama_eval: Any, tmp_path: Path
 ) -> None:
@@ -118,30 +130,20 @@ def test_off_by_one_layer_ids_are_an_integration_fault_named_by_diagnose(
     simulator fed the layers vLLM reads reproduces the engine's acceptance, fed the trained ones it
     accepts more — the cause, with the export command that fixes it.
     """
-    pair, drafter_dir, simulator, good = llama_eval
+    pair, drafter_dir, simulator, _good = llama_eval
     shifted = shift_exported_layer_ids(drafter_dir, tmp_path / "shifted", -1)
     engine = get_engine("vllm", vllm_settings())
     doctor = run_doctor(engine, pair.target_dir, shifted)
     assert doctor["layer_ids"]["consistent"] is False
     assert doctor["layer_ids"]["layer_input_ids"] == [0, 2, 4]
     assert doctor["layer_ids"]["trained_layer_input_ids"] == [1, 3, 5]
-    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
-    diagnosis = diagnose(
-        engine,
-        plan,
-        pair.target_dir,
-        shifted,
-        pair.held_out_prompts,
-        tmp_path / "eval",
-        baseline=good.baseline,
-    )
+    diagnosis = _diagnose(llama_eval, shifted, tmp_path / "eval")
     report = diagnosis.report
     assert report is not None
     acceptance = report.engine_acceptance
     print(
         f"\n[off-by-one] engine {acceptance and acceptance['acceptance_rate']} vs {simulator.acceptance_rate}"
     )
-    print(format_diagnosis(diagnosis))
     assert report.verdict == VERDICT_FAULT
     assert any("trained on layer_input [1, 3, 5]" in reason for reason in report.reasons), report.reasons
     assert acceptance is not None and simulator.acceptance_rate - acceptance["acceptance_rate"] > TOLERANCE
@@ -166,19 +168,7 @@ def test_off_by_one_layer_ids_are_an_integration_fault_named_by_diagnose(
 
 
 def test_diagnose_says_ok_for_the_export_as_trained(llama_eval: Any, tmp_path: Path) -> None:
-    pair, drafter_dir, _simulator, good = llama_eval
-    engine = get_engine("vllm", vllm_settings())
-    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
-    diagnosis = diagnose(
-        engine,
-        plan,
-        pair.target_dir,
-        drafter_dir,
-        pair.held_out_prompts,
-        tmp_path / "eval",
-        baseline=good.baseline,
-    )
-    print("\n" + format_diagnosis(diagnosis))
+    diagnosis = _diagnose(llama_eval, llama_eval[1], tmp_path / "eval")
     assert diagnosis.verdict == "ok" and diagnosis.exit_code == 0, diagnosis.reasons
     assert diagnosis.cause is None and len(diagnosis.readings) == 1  # the engine reads what it was trained on
     assert diagnosis.engine is not None and diagnosis.simulator is not None
@@ -193,24 +183,13 @@ def test_a_published_sglang_folder_on_vllm_is_named_a_convention_fault(
 ) -> None:
     """An SGLang/SpecForge folder (ids in layer_output, eagle_config) without a draftloop record served by
     vLLM: read both ways, the layer_output reading is the one it was trained on; the fix is an export."""
-    pair, _drafter_dir, _simulator, good = llama_eval
+    pair = llama_eval[0]
     published = tmp_path / "published-sglang"
     get_engine("sglang").export_drafter(pair.drafter, published)
     config = json.loads((published / "config.json").read_text())
     del config["draftloop"]  # as published: no record of the convention
     (published / "config.json").write_text(json.dumps(config))
-    engine = get_engine("vllm", vllm_settings())
-    plan = evaluation_plan(k=K, max_tokens=MAX_TOKENS, concurrency=[1], acceptance_tolerance=TOLERANCE)
-    diagnosis = diagnose(
-        engine,
-        plan,
-        pair.target_dir,
-        published,
-        pair.held_out_prompts,
-        tmp_path / "eval",
-        baseline=good.baseline,
-    )
-    print("\n" + format_diagnosis(diagnosis))
+    diagnosis = _diagnose(llama_eval, published, tmp_path / "eval")
     assert diagnosis.folder.format == "sglang" and "both" in diagnosis.folder.stated
     assert diagnosis.verdict == VERDICT_FAULT and diagnosis.cause is not None
     assert (

@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from draftloop.infra.engines.base import Engine, drafter_config_layer_ids, read_json, stored_layer_ids
-from draftloop.infra.engines.pairing import DrafterPairingError
+from draftloop.infra.engines.pairing import (
+    ContractIssue,
+    DrafterPairingError,
+    ServingContract,
+    check_drafter_contract,
+)
 from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.report import EvalReport
@@ -260,6 +265,31 @@ def find_cause(
     )
 
 
+# Contract clauses that are a known way of serving a drafter other than it was trained, by cause name.
+CONTRACT_CAUSES = {
+    "d2t": "d2t_as_ids",
+    "max_position_embeddings": "rope_shorter_than_served",
+    "rope_theta": "rope_mismatch",
+    "rope_scaling": "rope_mismatch",
+    "final_norm": "final_norm",
+    "target_dtype": "served_dtype",
+}
+
+
+def contract_cause(issue: ContractIssue, folder: FolderReading) -> Cause:
+    """A broken contract clause as a diagnosis cause, with the fix where one command gives it."""
+    name = CONTRACT_CAUSES.get(issue.check, f"contract:{issue.check}")
+    fix = None
+    if issue.check == "drafter_config" and folder.config_ids is None and folder.trained_ids is None:
+        name = "missing_layer_ids"  # the engine falls back to its defaults; nothing says what it learnt on
+        fix = "write the layers it was trained on as eagle_aux_hidden_state_layer_ids in its config.json"
+    if name == "rope_shorter_than_served":
+        fix = (
+            "serve at most the drafter's max_position_embeddings tokens (--max-model-len), or train it longer"
+        )
+    return Cause(name, f"refused before serving: {issue}", fix)
+
+
 def _overall(report: EvalReport, judge_speedup: bool) -> tuple[str, list[str]]:
     """The evaluation's verdict in diagnose's four: an undecidable measurement is measurement_error.
     Speedups measured against a baseline of another run (`judge_speedup` False) are reported, not judged:
@@ -302,11 +332,17 @@ def diagnose(
         capture_ids=LayerIds(served.capture_ids, "layer_input"),
         folder=view,
     )
+    serving = ServingContract.from_engine(engine)
+    broken = [i for i in check_drafter_contract(target_dir, drafter_dir, serving) if i.severity == "error"]
+    if broken:  # the pairing cannot work as served: named in seconds, before any server starts
+        return Diagnosis(
+            VERDICT_FAULT, [str(issue) for issue in broken], folder, contract_cause(broken[0], folder)
+        )
     try:
         report = evaluate(
             engine, plan, target_dir, drafter_dir, prompts, run_dir, reading=as_served, baseline=baseline
         )
-    except DrafterPairingError as error:
+    except DrafterPairingError as error:  # a clause the check above passed, refused on the way in
         return Diagnosis(
             VERDICT_FAULT,
             [f"{error.field}: {error.reason}"],
