@@ -167,13 +167,30 @@ def test_off_by_one_layer_ids_are_an_integration_fault_named_by_diagnose(
     ] == [1, 3, 5]
 
 
-def test_diagnose_says_ok_for_the_export_as_trained(llama_eval: Any, tmp_path: Path) -> None:
-    diagnosis = _diagnose(llama_eval, llama_eval[1], tmp_path / "eval")
+def test_diagnose_says_ok_for_the_speculators_export_with_the_native_acceptance(
+    llama_eval: Any, tmp_path: Path
+) -> None:
+    """The speculators-format export (no draftloop record: its ids read both ways) served by vLLM: `ok`,
+    no cause, and the acceptance the native export has in the same engine."""
+    pair, drafter_dir, _simulator, good = llama_eval
+    out = tmp_path / "speculators"
+    command = ["export", "--drafter", str(drafter_dir), "--engine", "speculators", "--out", str(out)]
+    exported = CliRunner().invoke(app, [*command, "--target", str(pair.target_dir)])
+    assert exported.exit_code == 0, exported.output
+    diagnosis = _diagnose(llama_eval, out, tmp_path / "eval")
+    assert diagnosis.folder.format == "speculators"
     assert diagnosis.verdict == "ok" and diagnosis.exit_code == 0, diagnosis.reasons
-    assert diagnosis.cause is None and len(diagnosis.readings) == 1  # the engine reads what it was trained on
+    assert (
+        diagnosis.cause is None
+    )  # read as layer_input it is what vLLM feeds it; as layer_output, no layer 6
     assert diagnosis.engine is not None and diagnosis.simulator is not None
     gap = abs(diagnosis.engine["acceptance_rate"] - diagnosis.simulator["acceptance_rate"])
     assert gap <= TOLERANCE
+    native = good.engine_acceptance
+    assert (
+        native is not None
+        and abs(diagnosis.engine["acceptance_rate"] - native["acceptance_rate"]) <= TOLERANCE
+    )
     assert diagnosis.served_command is not None and "--speculative-config" in diagnosis.served_command
     assert diagnosis.smoke_text
 
