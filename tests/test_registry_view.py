@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlflow
 import yaml
@@ -18,10 +17,9 @@ from draftloop.infra.registry.figures import as_number, format_figure, format_pe
 from draftloop.infra.registry.gate import CHAMPION_ALIAS, ChampionFigures, CycleResults, GateDecision
 from draftloop.infra.registry.models import DRAFTER_FLAVOR, register_drafter
 from draftloop.infra.registry.runs import Tracker
+from draftloop.infra.runtime.config import GateConfig
 
-GATE = SimpleNamespace(
-    min_speedup=None, min_acceptance_length=1.5, require_consistency=True, beat_champion=True
-)
+GATE = GateConfig(min_speedup=None, min_acceptance_length=1.5, require_consistency=True, beat_champion=True)
 SHA = "9f2c4e1ab3d5" + "0" * 52  # a 64-character content hash
 
 

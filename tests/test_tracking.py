@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from fixtures_registry import drafter_card, fake_drafter
@@ -14,17 +14,18 @@ from draftloop.infra.evaluation.plots import plot_training_curves
 from draftloop.infra.registry.gate import CHAMPION_ALIAS, CycleResults, evaluate_gate
 from draftloop.infra.registry.models import register_drafter
 from draftloop.infra.registry.runs import Tracker, flatten_params
+from draftloop.infra.runtime.config import GateConfig
 
 
-def _gate(**overrides: object) -> SimpleNamespace:
-    fields: dict[str, object] = {
+def _gate(**overrides: Any) -> GateConfig:
+    fields: dict[str, Any] = {
         "min_speedup": None,
         "min_acceptance_length": 1.5,
         "require_consistency": True,
         "beat_champion": True,
     }
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return GateConfig(**fields)
 
 
 def _results(length: float, consistent: bool = True, speedup_c1: float = 0.8) -> CycleResults:

@@ -45,6 +45,15 @@ def diagnose(
         Path(".draftloop/diagnose"), "--out", help="Working folder (server logs, report)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON."),
+    register_as: str | None = typer.Option(
+        None, "--register", help="Register the drafter as an external baseline of this registered model."
+    ),
+    alias: str | None = typer.Option(
+        None, "--alias", help="With --register: the version's alias (e.g. baseline)."
+    ),
+    tracking_uri: str = typer.Option(
+        "sqlite:///.draftloop/mlflow.db", "--tracking-uri", help="MLflow tracking."
+    ),
 ) -> None:
     """Serve TARGET with DRAFTER, simulate it on the same prompts, and name the cause of a bad number."""
     from pydantic import ValidationError
@@ -68,6 +77,9 @@ def diagnose(
             max_model_len=max_model_len,
             min_acceptance_length=min_acceptance_length,
             out=out,
+            register_as=register_as,
+            alias=alias,
+            tracking_uri=tracking_uri,
         )
         request.check()
         result = request.run()
@@ -83,7 +95,11 @@ def diagnose(
     except EngineError as error:
         typer.echo(f"engine error: {error}", err=True)
         raise typer.Exit(code=1) from None
+    registered = request.register(result)
     typer.echo(json.dumps(result.to_json(), indent=2) if as_json else format_diagnosis(result))
+    if registered is not None and not as_json:
+        named = f" (alias {registered.alias})" if registered.alias else ""
+        typer.echo(f"registered: {registered.name} v{registered.version}{named}, tagged external")
     raise typer.Exit(code=result.exit_code)
 
 

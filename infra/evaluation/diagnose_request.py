@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
@@ -13,6 +13,9 @@ from draftloop.infra.engines.base import get_engine
 from draftloop.infra.evaluation.diagnose import Diagnosis, clean_run_dir, diagnose
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.runtime.config import EngineConfig, EvaluationConfig, GateConfig
+
+if TYPE_CHECKING:
+    from draftloop.infra.registry.external import ExternalVersion
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILTIN_PROMPTS = REPO_ROOT / "draftloop" / "data" / "prompts.jsonl"
@@ -66,6 +69,12 @@ class DiagnoseRequest(BaseModel):
     max_model_len: int = Field(default=1024, ge=16)
     min_acceptance_length: float = Field(default=1.5, ge=1.0)  # under it a drafter run right is weak
     out: Path = Path(".draftloop/diagnose")
+    # Register the drafter as an external baseline version of this registered model (None: do not).
+    register_as: str | None = None
+    alias: str | None = None  # the alias the baseline version gets (e.g. baseline; gate.beat names it)
+    tracking_uri: str = "sqlite:///.draftloop/mlflow.db"
+    artifact_root: str = ".draftloop/mlartifacts"
+    experiment: str = "draftloop"
 
     def prompt_texts(self) -> list[str]:
         from draftloop.commands.simulate import PromptFileError, read_prompts_file
@@ -104,3 +113,13 @@ class DiagnoseRequest(BaseModel):
         plan = EvaluationPlan.from_sections(section, num_speculative_tokens=self.k, trust_remote_code=False)
         clean_run_dir(self.out)
         return diagnose(engine, plan, self.target, self.drafter, prompts, self.out)
+
+    def register(self, diagnosis: Diagnosis) -> ExternalVersion | None:
+        """The diagnosed drafter as an external baseline version in the registry (`register_as`)."""
+        if self.register_as is None:
+            return None
+        from draftloop.infra.registry.external import register_external
+        from draftloop.infra.registry.runs import Tracker
+
+        tracker = Tracker(self.tracking_uri, self.artifact_root, self.experiment)
+        return register_external(tracker, self.register_as, diagnosis, self.engine, self.k, self.alias)

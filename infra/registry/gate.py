@@ -87,6 +87,7 @@ def evaluate_gate(
     results: CycleResults,
     champion_length: float | None,
     champion_version: str | None = None,
+    baseline: ChampionFigures | None = None,
 ) -> GateDecision:
     """Apply `evaluation.gate` to a cycle's results.
 
@@ -139,6 +140,14 @@ def evaluate_gate(
             reasons.append(
                 f"mean acceptance length {length:.2f} does not beat {champion}'s {champion_length:.2f}"
             )
+    if gate.beat is not None:
+        named = f"{gate.beat!r}" + (f" (v{baseline.version}{baseline.label})" if baseline is not None else "")
+        if baseline is None:
+            reasons.append(f"evaluation.gate.beat: no registered version {named} to compare with")
+        elif baseline.mean_acceptance_length is None or length is None:
+            reasons.append(f"no mean acceptance length to compare with {named}")
+        elif round(length, 3) <= (beaten := baseline.mean_acceptance_length):
+            reasons.append(f"mean acceptance length {length:.2f} does not beat {named}'s {beaten:.2f}")
     return GateDecision(passed=not reasons, reasons=reasons, notes=notes)
 
 
@@ -157,16 +166,29 @@ class ChampionFigures:
     version: str
     mean_acceptance_length: float | None
     speedup_c1: float | None
+    label: str = ""  # ", external baseline <source>" for a published drafter's version
+
+
+def version_figures(client: MlflowClient, name: str, ref: str) -> ChampionFigures | None:
+    """A registered version named by alias or number, by its tags; None when there is no such version."""
+    try:
+        version = (
+            client.get_model_version(name, ref)
+            if ref.isdigit()
+            else client.get_model_version_by_alias(name, ref)
+        )
+    except MlflowException:
+        return None
+    tags = version.tags
+    external = tags.get("external") == "true"
+    return ChampionFigures(
+        version=str(version.version),
+        mean_acceptance_length=tag_float(tags, "mean_acceptance_length"),
+        speedup_c1=tag_float(tags, "speedup_c1"),
+        label=f", external baseline {tags.get('source', '')}".rstrip() if external else "",
+    )
 
 
 def current_champion(client: MlflowClient, name: str) -> ChampionFigures | None:
     """The version the `champion` alias points at, by its tags; None before the first champion."""
-    try:
-        version = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
-    except MlflowException:
-        return None
-    return ChampionFigures(
-        version=str(version.version),
-        mean_acceptance_length=tag_float(version.tags, "mean_acceptance_length"),
-        speedup_c1=tag_float(version.tags, "speedup_c1"),
-    )
+    return version_figures(client, name, CHAMPION_ALIAS)

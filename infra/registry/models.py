@@ -34,6 +34,7 @@ from draftloop.infra.registry.gate import (
     GateDecision,
     current_champion,
     evaluate_gate,
+    version_figures,
 )
 from draftloop.infra.registry.runs import StageRun, Tracker, is_finite, now_ms
 from draftloop.infra.runtime.config import GateConfig
@@ -148,6 +149,7 @@ def register_drafter(
         results,
         champion.mean_acceptance_length if champion else None,
         champion.version if champion else None,
+        baseline=version_figures(client, name, gate_config.beat) if gate_config.beat else None,
     )
     model_run_id = tracker.parent_run_id or run.run_id
     model, command = log_drafter_model(

@@ -242,6 +242,9 @@ class GateConfig(_Section):
     min_acceptance_length: float | None = None
     require_consistency: bool = True
     beat_champion: bool = True
+    # A registered version a trained drafter must beat as well (mean acceptance length): an alias such as
+    # an external baseline's (`draftloop diagnose --register --alias baseline`) or a version number.
+    beat: str | None = None
 
 
 class EvaluationConfig(_Section):
