@@ -213,6 +213,28 @@ def _register_synthetic_versions(flow_env: FlowEnv, name: str) -> list[Any]:
     return registrations
 
 
+def _register_baseline(flow_env: FlowEnv, name: str) -> Any:
+    """A published drafter's diagnosis registered as an external baseline (the diagnosis given here)."""
+    from draftloop.infra.evaluation.diagnose import Diagnosis, FolderReading, Reading, ReadingFigures
+    from draftloop.infra.registry.external import register_external
+    from draftloop.infra.registry.runs import Tracker
+
+    tracker = Tracker(
+        f"sqlite:///{flow_env.workdir}/mlflow.db", str(flow_env.workdir / "mlartifacts"), "browser-registry"
+    )
+    folder = fake_drafter(flow_env.workdir / "browser-drafters" / "published")
+    reading = Reading("vllm reads [1, 3, 5] as layer_input", (1, 3, 5), engine_reads=True, trained=True)
+    diagnosis = Diagnosis(
+        verdict="ok",
+        reasons=[],
+        folder=FolderReading(str(folder), "speculators", [1, 3, 5], None, "speculators format"),
+        engine={"acceptance_rate": 0.3667, "mean_acceptance_length": 2.10, "per_position": []},
+        readings=[ReadingFigures(reading, 0.3667, 2.10, [])],
+        speedup={"1": {"speedup": 1.7, "status": "ok"}},
+    )
+    return register_external(tracker, name, diagnosis, "vllm", 3, alias="baseline")
+
+
 def _text(locator: Any) -> str:
     return " ".join(locator.inner_text().split())  # the alias tag is "@&nbsp;champion"
 
@@ -248,6 +270,18 @@ def test_mlflow_registry_page_shows_the_champion_and_the_verdicts(
     # The registered model's own description: the leaderboard names the champion.
     page.get_by_text(re.compile(r"Champion: v1, AL 2\.24")).first.wait_for()
     page.screenshot(path=str(screenshots / "mlflow-registry.png"), full_page=True)
+
+    # A published drafter registered as a baseline (`diagnose --register --alias baseline`): its row beside
+    # the trained versions, aliased, never champion, its description opening with what it is.
+    baseline = _register_baseline(flow_env, name)
+    page.goto(f"{ui}/#/models/{name}")
+    third_row = page.get_by_role("row").filter(has=page.get_by_role("link", name="Version 3", exact=True))
+    third_row.wait_for()
+    assert "@ baseline" in _text(third_row) and "@ champion" not in _text(third_row)
+    assert _text(third_row.get_by_role("cell").last).startswith("external baseline: ok, AL 2.100")
+    page.get_by_text(re.compile(r"external baseline")).first.wait_for()
+    page.screenshot(path=str(screenshots / "mlflow-registry-with-baseline.png"), full_page=True)
+    assert baseline.version == "3"
 
     page.goto(f"{ui}/#/models/{name}/versions/2")
     page.get_by_text(rejected.verdict, exact=True).first.wait_for()
