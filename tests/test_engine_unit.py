@@ -120,7 +120,11 @@ def test_vllm_command_line_and_environment(tmp_path: Path) -> None:
     env = engine.server_env(tmp_path)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
-    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path))
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache")  # /v/bin/python: not a writable env
+    environment = tmp_path / "venv"
+    (environment / "bin").mkdir(parents=True)
+    shared = get_engine("vllm", engine_settings(python=str(environment / "bin" / "python")))
+    assert shared.server_env(tmp_path / "run")["VLLM_CACHE_ROOT"] == str(environment / "draftloop-vllm-cache")
     assert env["VLLM_PLUGINS"] == "draftloop_vllm_plugin"
     gpu = get_engine("vllm", engine_settings(num_gpus=1)).server_env(tmp_path)
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu and "LD_PRELOAD" not in gpu
