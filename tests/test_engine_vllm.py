@@ -170,8 +170,8 @@ def test_off_by_one_layer_ids_are_an_integration_fault_named_by_diagnose(
 def test_diagnose_says_ok_for_the_speculators_export_with_the_native_acceptance(
     llama_eval: Any, tmp_path: Path
 ) -> None:
-    """The speculators-format export (no draftloop record: its ids read both ways) served by vLLM: `ok`,
-    no cause, and the acceptance the native export has in the same engine."""
+    """The speculators-format export (the speculators library's config, the draftloop record kept) served
+    by vLLM: `ok`, no cause, and the acceptance the native export has in the same engine."""
     pair, drafter_dir, _simulator, good = llama_eval
     out = tmp_path / "speculators"
     command = ["export", "--drafter", str(drafter_dir), "--engine", "speculators", "--out", str(out)]
@@ -180,9 +180,7 @@ def test_diagnose_says_ok_for_the_speculators_export_with_the_native_acceptance(
     diagnosis = _diagnose(llama_eval, out, tmp_path / "eval")
     assert diagnosis.folder.format == "speculators"
     assert diagnosis.verdict == "ok" and diagnosis.exit_code == 0, diagnosis.reasons
-    assert (
-        diagnosis.cause is None
-    )  # read as layer_input it is what vLLM feeds it; as layer_output, no layer 6
+    assert diagnosis.cause is None and len(diagnosis.readings) == 1  # vLLM reads what it learnt on
     assert diagnosis.engine is not None and diagnosis.simulator is not None
     gap = abs(diagnosis.engine["acceptance_rate"] - diagnosis.simulator["acceptance_rate"])
     assert gap <= TOLERANCE

@@ -131,18 +131,16 @@ def read_folder(drafter_dir: Path) -> FolderReading:
     config = read_json(drafter_dir / "config.json")
     ids = drafter_config_layer_ids(config)
     trained = stored_layer_ids(config)
-    if trained is not None:
-        fmt = "draftloop"
-        stated = f"draftloop record: trained on layer_input {list(trained.as_input())}"
-    elif config.get("speculators_model_type"):
-        fmt, stated = "speculators", "speculators format, no draftloop record: ids read in both conventions"
+    if config.get("speculators_model_type"):
+        fmt = "speculators"
     elif isinstance(config.get("eagle_config"), dict):
-        fmt, stated = (
-            "sglang",
-            "SGLang/SpecForge folder (eagle_config), no draftloop record: ids read both ways",
-        )
+        fmt = "sglang"  # SGLang/SpecForge: ids nested in eagle_config
     else:
-        fmt, stated = "vllm", "EAGLE-3 folder without a draftloop record: ids read in both conventions"
+        fmt = "draftloop" if trained is not None else "vllm"
+    if trained is not None:
+        stated = f"{fmt} format, draftloop record: trained on layer_input {list(trained.as_input())}"
+    else:
+        stated = f"{fmt} format, no draftloop record: its ids read in both conventions"
     if ids is None:
         stated += "; its config names no aux layer ids"
     return FolderReading(
