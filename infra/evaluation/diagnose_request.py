@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.evaluation.diagnose import Diagnosis, clean_run_dir, diagnose
 from draftloop.infra.evaluation.plan import EvaluationPlan
+from draftloop.infra.evaluation.prompt_file import PromptFileError, read_prompts_file
 from draftloop.infra.runtime.config import EngineConfig, EvaluationConfig, GateConfig
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ class DiagnoseRequest(BaseModel):
     experiment: str = "draftloop"
 
     def prompt_texts(self) -> list[str]:
-        from draftloop.commands.simulate import PromptFileError, read_prompts_file
-
         try:
             return read_prompts_file(self.prompts or BUILTIN_PROMPTS)[: self.num_prompts]
         except PromptFileError as error:
