@@ -200,3 +200,74 @@ def test_a_drafter_that_cannot_work_as_served_is_named_before_any_server(
         assert diagnosis["verdict"] == "integration_fault" and diagnosis["cause"]["name"] == cause
         assert words in diagnosis["cause"]["explanation"], diagnosis["cause"]
         assert time.monotonic() - started < 30
+
+
+def _without_ids(folder: Path, *, keep_record: bool) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    if not keep_record:
+        del config["draftloop"]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_config_without_layer_ids_is_named_missing_ids_before_any_server(
+    target: Path, tmp_path: Path
+) -> None:
+    """vLLM's fallback (2, N//2, N-3) on the 6-layer target is (2, 3, 3): two layers for an fc that
+    fuses three, a server that dies at its first request. Named up front, with the fix: from the
+    record, `draftloop export` writes the trained ids back."""
+    for keep_record, fix in (
+        (True, "draftloop export --drafter"),
+        (False, "eagle_aux_hidden_state_layer_ids"),
+    ):
+        folder = _without_ids(
+            _saved(_drafter(target), tmp_path / f"record-{keep_record}"), keep_record=keep_record
+        )
+        started = time.monotonic()
+        result = RUNNER.invoke(
+            app,
+            [
+                "diagnose",
+                "--target",
+                str(target),
+                "--drafter",
+                str(folder),
+                "--json",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+        )
+        assert result.exit_code == 4, result.output
+        diagnosis = json.loads(result.stdout)
+        assert diagnosis["cause"]["name"] == "missing_layer_ids", diagnosis["cause"]
+        assert fix in diagnosis["cause"]["fix"]
+        assert time.monotonic() - started < 30
+    explanation = diagnosis["cause"]["explanation"]
+    assert "no eagle_aux_hidden_state_layer_ids" in explanation
+    fixed = tmp_path / "fixed"
+    result = RUNNER.invoke(
+        app, ["export", "--drafter", str(tmp_path / "record-True"), "--engine", "vllm", "--out", str(fixed)]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((fixed / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+
+
+def test_on_a_deep_target_the_engine_defaults_are_a_reading_the_simulator_can_name() -> None:
+    """An 8-layer target: the defaults (2, 4, 5) are distinct and served; the record's (1, 3, 5) is what
+    the drafter learnt on. When that reading accepts clearly more, the cause is the missing ids."""
+    from draftloop.infra.evaluation.diagnose import FolderReading, ReadingFigures, find_cause
+
+    engine = get_engine("vllm")
+    folder = FolderReading("/d", "draftloop", None, [1, 3, 5], "stated")
+    served, trained = readings_of(engine, folder, depth=8)
+    assert (served.capture_ids, served.engine_reads) == ((2, 4, 5), True)
+    assert (trained.capture_ids, trained.trained) == ((1, 3, 5), True)
+    figures = [ReadingFigures(served, 0.05, 1.15, []), ReadingFigures(trained, 0.6, 2.8, [])]
+    cause = find_cause(engine, folder, figures, engine_rate=0.06, tolerance=0.05)
+    assert cause is not None and cause.name == "missing_layer_ids"
+    assert (
+        "matches this reading's 0.050" in cause.explanation and cause.fix and "draftloop export" in cause.fix
+    )
+    close = [ReadingFigures(served, 0.55, 2.6, []), ReadingFigures(trained, 0.6, 2.8, [])]
+    assert find_cause(engine, folder, close, engine_rate=0.55, tolerance=0.05) is None

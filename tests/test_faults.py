@@ -379,22 +379,38 @@ def test_online_training_loses_nothing_when_killed(
         ledger.completed_after(fault)
 
 
+def _simulated_acceptance_length(flow_env: FlowEnv, cycle: dict[str, Any]) -> float:
+    """A cycle's drafter simulated free-running (float32) on its eval prompts (local storage: the
+    train stage's folder is the drafter's)."""
+    from draftloop.infra.evaluation.simulator import NumericMode, run_simulator
+    from draftloop.infra.runtime.config import ExperimentConfig
+    from draftloop.infra.synthesis.conversations import read_eval_prompts
+
+    config = ExperimentConfig.load(flow_env.config_path)
+    conversations = read_manifest(cycle["stages"]["synthesize"]["uri"])
+    prompts = [row["prompt"] for row in read_eval_prompts(conversations, storage_options(config))]
+    figures = run_simulator(
+        Path(config.target.path), Path(cycle["stages"]["train"]["uri"]), prompts,
+        config.engine.num_speculative_tokens, config.evaluation.max_tokens,
+        mode=NumericMode(dtype="float32", attention="transformers"),
+    )  # fmt: skip
+    assert figures.mean_acceptance_length is not None
+    return figures.mean_acceptance_length
+
+
 @pytest.mark.engine
 def test_engine_server_killed_mid_stream_is_restarted_and_nothing_is_lost(
     ledger: FaultLedger, flow_env: FlowEnv, first_cycle: tuple[dict[str, Any], float], tmp_path: Path
 ) -> None:
     """`extraction.backend: engine`, online: the engine server in its extraction mode is SIGKILLed once
     the first step is trained; the producers have it started again and ask again, the stage completes
-    (no retry of it), every sample trained once per epoch, and the cycle is served and judged like the
-    offline one (engine acceptance = simulator's, the same acceptance length within the seed spread)."""
+    (no retry of it), every sample trained once per epoch, and the drafter accepts like the offline one
+    (simulated on the same prompts, within the seed spread). How an online drafter is served and judged
+    is tests/test_flow.py's online cycle: the hidden states' source does not change the served folder."""
     first, _ = first_cycle
     config = yaml.safe_load(flow_env.config_path.read_text())
     config["extraction"].update({"mode": "online", "backend": "engine", "samples_per_shard": 2})
     config["training"]["checkpoint_every_steps"] = 1
-    # One concurrency level, no repeats: the figure compared is the prompt pass's acceptance.
-    config["evaluation"].update(
-        {"concurrency": [1], "repeats": 1, "warmup_rounds": 0, "min_output_tokens": 0, "min_seconds": 0}
-    )
     path = tmp_path / "flow-test-engine.yaml"
     path.write_text(yaml.safe_dump(config))
     state = flow_env.workdir / "state"
@@ -404,7 +420,7 @@ def test_engine_server_killed_mid_stream_is_restarted_and_nothing_is_lost(
     checkpoints = f"work/flow-test/train/*/step-*/{CHECKPOINT_DONE}"
     earlier = set(state.glob(checkpoints))  # the offline cycle's
     run_dir = state / "work" / "flow-test" / "stream-engine"
-    driver = start_driver(tmp_path, path, "register", "engine-online", env)
+    driver = start_driver(tmp_path, path, "train", "engine-online", env)
     try:
         ledger.tried("online: engine server killed mid-stream")
         wait_for(
@@ -428,11 +444,11 @@ def test_engine_server_killed_mid_stream_is_restarted_and_nothing_is_lost(
     assert (run_dir / "server-extraction.log.exited").is_file(), "the killed server's log is kept"
     training = stream["samples"] - train["held_out_samples"]
     assert train["trained_per_sample"] == [{"1": training}] * train["epochs"]
-    assert summary["status"] == "completed" and summary["consistent"] is True, summary
+    assert summary["status"] == "completed", summary
     # Hidden states from the engine (bfloat16 there, another shard size): within the offline seed spread.
-    assert abs(summary["mean_acceptance_length"] - first["mean_acceptance_length"]) <= 0.1
-    online, offline = summary["mean_acceptance_length"], first["mean_acceptance_length"]
-    print(f"\n[engine online] mean acceptance length {online}, offline {offline}")
+    online, offline = (_simulated_acceptance_length(flow_env, cycle) for cycle in (summary, first))
+    print(f"\n[engine online] simulated mean acceptance length {online:.3f}, offline {offline:.3f}")
+    assert abs(online - offline) <= 0.1
     ledger.count_epochs(train["trained_per_sample"])
     ledger.completed_after("online: engine server killed mid-stream")
 

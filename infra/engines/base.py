@@ -261,6 +261,12 @@ class Engine(ABC):
         """Keys this engine needs in a drafter's config.json beyond the common EAGLE-3 fields."""
         return {}
 
+    def fallback_capture_ids(self, depth: int) -> tuple[int, ...]:
+        """The target layers (layer_input) the engine captures for a drafter config that names no ids:
+        (2, N//2, N-3), deduplicated and sorted as vLLM's EagleModelMixin does, so a target of fewer
+        than 8 layers gives fewer than three (and an fc that reads three fails at the first request)."""
+        return tuple(sorted({2, depth // 2, depth - 3}))
+
     def drafter_layer_ids(self, drafter_dir: Path) -> LayerIds | None:
         """The aux layer ids this engine will capture for the drafter folder, in its own convention
         (None when the config names none and the engine falls back to its defaults)."""

@@ -150,12 +150,13 @@ def read_folder(drafter_dir: Path) -> FolderReading:
 
 def readings_of(engine: Engine, folder: FolderReading, depth: int) -> list[Reading]:
     """The engine's reading of the folder and the candidates for what the drafter was trained on."""
-    defaults = tuple(LayerIds.default_for_depth(depth).ids)  # (2, N//2, N-3) where those are distinct
+    defaults = tuple(LayerIds.default_for_depth(depth).ids)  # what draftloop trains on without ids
     if folder.config_ids is not None:
         served = LayerIds.parse(folder.config_ids, engine.layer_id_convention).as_input()
         engine_label = f"{engine.kind} reads {folder.config_ids} as {engine.layer_id_convention}"
     else:
-        served, engine_label = defaults, f"{engine.kind}'s defaults (2, N//2, N-3): the config names no ids"
+        served = engine.fallback_capture_ids(depth)
+        engine_label = f"{engine.kind}'s defaults (2, N//2, N-3): the config names no ids"
     readings = [Reading(engine_label, tuple(served), engine_reads=True, trained=False)]
     if folder.trained_ids is not None:
         candidates = [("as trained (draftloop record)", tuple(folder.trained_ids))]
@@ -263,6 +264,26 @@ def find_cause(
     )
 
 
+def _fallback_too_short(engine: Engine, folder: FolderReading, served: Reading, depth: int) -> Cause | None:
+    """A config without ids on a target too shallow for the engine's three defaults to be distinct."""
+    fused = len(folder.trained_ids or folder.config_ids or (0, 0, 0))  # EAGLE-3's fc fuses three
+    if folder.config_ids is not None or len(served.capture_ids) == fused:
+        return None
+    trained = (
+        f"; its draftloop record says it was trained on {folder.trained_ids}" if folder.trained_ids else ""
+    )
+    return Cause(
+        "missing_layer_ids",
+        f"{folder.path}/config.json names no eagle_aux_hidden_state_layer_ids, so {engine.kind} captures "
+        f"its defaults (2, N//2, N-3) = {(2, depth // 2, depth - 3)} of a {depth}-layer target: "
+        f"{len(served.capture_ids)} distinct layers {list(served.capture_ids)} for an fc that fuses "
+        f"{fused}{trained}",
+        _export_fix(folder, engine, None)
+        if folder.trained_ids
+        else "write the layers it was trained on as eagle_aux_hidden_state_layer_ids in its config.json",
+    )
+
+
 # Contract clauses that are a known way of serving a drafter other than it was trained, by cause name.
 CONTRACT_CAUSES = {
     "d2t": "d2t_as_ids",
@@ -336,6 +357,9 @@ def diagnose(
         return Diagnosis(
             VERDICT_FAULT, [str(issue) for issue in broken], folder, contract_cause(broken[0], folder)
         )
+    short = _fallback_too_short(engine, folder, served, depth)
+    if short is not None:  # the server would start, then fail at its first request
+        return Diagnosis(VERDICT_FAULT, [short.explanation], folder, short)
     try:
         report = evaluate(
             engine, plan, target_dir, drafter_dir, prompts, run_dir, reading=as_served, baseline=baseline
