@@ -13,7 +13,8 @@ Then the cause: the engine's acceptance is one number; the simulator can reprodu
 Replaying the engine's output under each reading costs a simulator pass, no server. When a trained
 reading accepts clearly more than the engine's, the engine feeds the drafter other layers than it learnt
 on: `integration_fault`, the cause named (convention or missing ids) with the export command that fixes
-it. When they agree, the evaluation's own verdict stands (`ok`, `weak_drafter`, or `measurement_error`
+it. An integration fault no reading explains says where engine and reference part first (divergence.py).
+When they agree, the evaluation's own verdict stands (`ok`, `weak_drafter`, or `measurement_error`
 when the measurement cannot decide).
 """
 
@@ -34,6 +35,7 @@ from draftloop.infra.engines.pairing import (
     check_drafter_contract,
 )
 from draftloop.infra.evaluation.benchmark import ServerRun
+from draftloop.infra.evaluation.divergence import Divergence, first_divergence
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
@@ -108,6 +110,7 @@ class Diagnosis:
     simulator: dict[str, Any] | None = None  # the same, the drafter as the engine reads it
     readings: list[ReadingFigures] = field(default_factory=list)
     speedup: dict[str, Any] = field(default_factory=dict)  # concurrency -> speedup, interval, status
+    divergence: Divergence | None = None  # where engine and reference first part (an unexplained fault)
     served_command: str | None = None
     smoke_text: str | None = None
     report_path: str | None = None
@@ -416,8 +419,18 @@ def diagnose(
             VERDICT_FAULT,
             [cause.explanation, *[r for r in reasons if r not in (cause.explanation,)]],
         )
-    elif verdict == VERDICT_FAULT:
-        cause = Cause("unexplained", "no reading of the folder reproduces the engine's acceptance", None)
+    divergence: Divergence | None = None
+    if cause is None and verdict == VERDICT_FAULT:
+        divergence = first_divergence(
+            report.baseline, report.speculative, report.mismatched_prompts, report.simulator,
+            report.engine_acceptance, report.acceptance_tolerance,
+        )  # fmt: skip
+        where = f"; they part first at {divergence.describe()}" if divergence is not None else ""
+        cause = Cause(
+            "unexplained",
+            f"no known cause reproduces the engine's acceptance (readings tried above){where}",
+            None,
+        )
     return Diagnosis(
         verdict,
         reasons,
@@ -426,6 +439,7 @@ def diagnose(
         engine=_engine_figures(report),
         simulator=_figures_json(report.simulator),
         readings=figures,
+        divergence=divergence,
         speedup={str(level.concurrency): asdict(level) for level in report.speedup_levels},
         served_command=_served_command(report),
         smoke_text=report.speculative.smoke_content,
