@@ -6,6 +6,9 @@ deterministic in the prompt, so two fake servers agree (lossless) unless --pertu
 
 Modes: ok | fatal (logs a fatal line, then hangs) | exit (dies during start-up) | slow (never ready).
 --first-request-delay S: the first completion waits S seconds (a server's warm-up: compilation, caches).
+--spec-token-delay-factor F: the speculative server's per-token delay is F times the baseline's.
+--load-file PATH: "t0 slope" — other load on the machine growing since t0: every token costs
+(1 + slope * (now - t0)) times its delay, on every server reading the same file.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
         # --perturb changes the speculative server's outputs only (a lossy "speculation").
         seed = sum(prompt_ids) + (args.perturb if args.speculative else 0)
         return [f"w{(seed * 31 + i * 7) % 97} " for i in range(max_tokens)]
+
+    def load_factor() -> float:
+        if args.load_file is None:
+            return 1.0
+        with open(args.load_file) as load:
+            t0, slope = (float(v) for v in load.read().split())
+        return 1.0 + slope * max(0.0, time.time() - t0)
 
     def observe(num_tokens: int) -> None:
         if not args.speculative:
@@ -102,8 +112,9 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
+            delay = args.token_delay * (args.spec_token_delay_factor if args.speculative else 1.0)
             for word in words:
-                time.sleep(args.token_delay)
+                time.sleep(delay * load_factor())
                 chunk = {"choices": [{"index": 0, "text": word}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
@@ -126,6 +137,8 @@ def main() -> None:
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--startup-delay", type=float, default=0.5)
     parser.add_argument("--first-request-delay", type=float, default=0.0)
+    parser.add_argument("--spec-token-delay-factor", type=float, default=1.0)
+    parser.add_argument("--load-file", default=None)
     args = parser.parse_args()
     print("INFO: fake engine starting", flush=True)
     time.sleep(args.startup_delay)

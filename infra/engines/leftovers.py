@@ -34,6 +34,9 @@ class ServerPidfile:
     port: int | None
     log: str
     shm_files: list[str]  # sorted
+    # The process that started the server: while it lives, the server is its (two may share a folder:
+    # a baseline and a speculative server measured in turns), not a leftover.
+    owner: int = 0
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,9 +126,10 @@ def remove_unused_shm(names: set[str]) -> list[str]:
     return removed
 
 
-def clean_stale_servers(run_dir: Path) -> list[int]:
-    """Kill servers recorded in run_dir's pidfiles whose command line still matches; remove their
-    recorded /dev/shm files. Returns the PIDs killed."""
+def clean_stale_servers(run_dir: Path, name: str | None = None) -> list[int]:
+    """Kill servers recorded in run_dir's pidfiles whose command line still matches — those whose
+    starter has exited, and the one recorded as `name` (about to start again); remove their recorded
+    /dev/shm files. A live process's other servers are left running. Returns the PIDs killed."""
     killed: list[int] = []
     folder = Path(run_dir) / PIDFILE_DIR_NAME
     if not folder.is_dir():
@@ -137,6 +141,9 @@ def clean_stale_servers(run_dir: Path) -> list[int]:
             pidfile.unlink(missing_ok=True)
             continue
         pid = int(record.get("pid", 0))
+        owner = int(record.get("owner", 0))
+        if owner > 0 and is_alive(owner) and record.get("name") != name:
+            continue  # a sibling server of a live run
         # Only ours: the live process must still run the command line we recorded (PIDs get reused).
         if pid > 0 and is_alive(pid) and _cmdline(pid) == list(record.get("argv", [])):
             stop_processes([int(record.get("pgid", pid))], grace_s=5.0)

@@ -210,7 +210,7 @@ class EngineServer:
         if not (self.target_dir / "config.json").is_file():
             raise EngineError(f"target folder {self.target_dir} has no config.json")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        clean_stale_servers(self.run_dir)
+        clean_stale_servers(self.run_dir, self.name)
         if self.port is None:
             self.port = free_port()
         argv = self.engine.server_command(
@@ -267,6 +267,7 @@ class EngineServer:
             port=self.port,
             log=str(self.log_path),
             shm_files=sorted(shm_files or []),
+            owner=os.getpid(),
         )
         record.write(self.pidfile)
 

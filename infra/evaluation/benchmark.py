@@ -151,6 +151,8 @@ class ServerRun:
     # SpecCounters.to_json() of the prompt pass (each prompt once, at `reference_concurrency`); None for a
     # baseline, or a report written before the prompt pass existed.
     prompt_pass_counters: dict[str, Any] | None = None
+    # The server measured alternately with this one (both up, repeat by repeat), or None: measured alone.
+    interleaved_with: str | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServerRun:
@@ -412,6 +414,159 @@ def _counters_between(
     return sum(per_request[1:], per_request[0]) if per_request else None
 
 
+@dataclass(frozen=True)
+class ServerToMeasure:
+    """A running server and how it was started: `num_speculative_tokens` None for a baseline."""
+
+    server: ServerHandle
+    name: str
+    num_speculative_tokens: int | None
+    smoke_content: str | None = None
+
+
+@dataclass
+class _Measuring:
+    """One server while it is measured: its client and what it has measured so far."""
+
+    target: ServerToMeasure
+    client: _Client
+    engine: Engine
+    warmup: int = 0
+    records: dict[int, RequestResult] = field(default_factory=dict)
+    pass_counters: SpecCounters | None = None
+    levels: list[ConcurrencyResult] = field(default_factory=list)
+    open_loop: list[OpenLoopResult] = field(default_factory=list)
+
+    def counters(self) -> SpecCounters | None:
+        return self.engine.parse_metrics(self.target.server.metrics_text())
+
+    async def warm_up(self, prompt_ids: Sequence[Sequence[int]], levels: Sequence[int], rounds: int) -> None:
+        for _ in range(rounds):
+            for level in levels:
+                discarded, _ = await _closed_loop(
+                    self.client, prompt_ids, level, min_requests=level, min_output_tokens=0, min_seconds=0.0
+                )
+                self.warmup += len(discarded)
+
+    async def prompt_pass(self, prompt_ids: Sequence[Sequence[int]], reference: int) -> None:
+        """At the reference concurrency, each prompt exactly once. Its outputs are the per-prompt records
+        (the lossless comparison, the simulator's replay) and its counters the engine's acceptance: a
+        prompt mix no timing can change."""
+        before = self.counters()
+        results, _ = await _closed_loop(
+            self.client, prompt_ids, reference, min_requests=len(prompt_ids), min_output_tokens=0,
+            min_seconds=0.0,
+        )  # fmt: skip
+        failed = [r for r in results if r.error is not None]
+        if failed:
+            raise RuntimeError(
+                f"server {self.target.name!r}: {len(failed)} requests failed, first: {failed[0].error}"
+            )
+        self.records = {r.index: r for r in results}
+        self.pass_counters = _counters_between(self.engine, before, self.target.server, results)
+
+    def server_run(self, num_prompts: int, reference: int, interleaved_with: str | None) -> ServerRun:
+        records = [self.records[i] for i in range(num_prompts)]
+        counters = self.pass_counters
+        return ServerRun(
+            name=self.target.name,
+            startup_s=self.target.server.startup_s,
+            log_path=str(self.target.server.log_path),
+            smoke_content=self.target.smoke_content,
+            levels=self.levels,
+            outputs=[r.text for r in records],
+            output_logprobs=[r.token_logprobs for r in records],
+            output_token_ids=[r.token_ids for r in records],
+            output_counters=[
+                r.response_counters.to_json() if r.response_counters is not None else None for r in records
+            ],
+            reference_concurrency=reference,
+            open_loop=self.open_loop,
+            warmup_requests=self.warmup,
+            prompt_pass_counters=(
+                counters.to_json() if counters is not None and counters.num_drafts > 0 else None
+            ),
+            interleaved_with=interleaved_with,
+        )
+
+
+def benchmark_servers(
+    servers: Sequence[ServerToMeasure],
+    engine: Engine,
+    prompt_ids: Sequence[Sequence[int]],
+    concurrency: Sequence[int],
+    plan: BenchmarkPlan,
+    *,
+    served_model_name: str = "target",
+) -> list[ServerRun]:
+    """Warm every server up and run its prompt pass, then measure them at each concurrency and each
+    open-loop rate. Two servers (baseline and speculative, both up) take turns repeat by repeat, in
+    ABBA order, so load that changes during the measurement falls on both alike and each adjacent pair
+    of repeats gives one speedup (verdict.level_speedups). Counters are differenced around each level,
+    per server (each receives only its own requests)."""
+    levels = [int(level) for level in concurrency]
+    reference = min(levels)
+    width = max([*levels, plan.open_loop_requests if plan.request_rates else 1])
+    names = [target.name for target in servers]
+    partner = {names[0]: names[1], names[1]: names[0]} if len(servers) == 2 else {}
+
+    async def measure() -> None:
+        measuring = [
+            _Measuring(
+                target,
+                _Client(
+                    target.server.base_url,
+                    served_model_name,
+                    engine,
+                    plan.max_tokens,
+                    plan.timeout_s,
+                    width,
+                    num_speculative_tokens=target.num_speculative_tokens,
+                ),
+                engine,
+            )
+            for target in servers
+        ]
+        try:
+            for one in measuring:
+                await one.warm_up(prompt_ids, levels, plan.warmup_rounds)
+            for one in measuring:
+                await one.prompt_pass(prompt_ids, reference)
+            for level in levels:
+                before = [one.counters() for one in measuring]
+                repeats: list[list[tuple[list[RequestResult], float]]] = [[] for _ in measuring]
+                for repeat in range(max(1, plan.repeats)):
+                    order = range(len(measuring)) if repeat % 2 == 0 else reversed(range(len(measuring)))
+                    for index in order:
+                        repeats[index].append(
+                            await _closed_loop(
+                                measuring[index].client,
+                                prompt_ids,
+                                level,
+                                min_requests=level,
+                                min_output_tokens=plan.min_output_tokens,
+                                min_seconds=plan.min_seconds,
+                            )
+                        )
+                for one, start_counters, measured in zip(measuring, before, repeats, strict=True):
+                    every = [r for results, _ in measured for r in results]
+                    counters = _counters_between(engine, start_counters, one.target.server, every)
+                    one.levels.append(_level_result(level, measured, counters, len(prompt_ids)))
+            for rate in plan.request_rates:
+                for one in measuring:
+                    one.open_loop.append(await _measure_rate(one.client, prompt_ids, float(rate), plan))
+            runs.extend(
+                one.server_run(len(prompt_ids), reference, partner.get(one.target.name)) for one in measuring
+            )
+        finally:
+            for one in measuring:
+                await one.client.http.aclose()
+
+    runs: list[ServerRun] = []
+    asyncio.run(measure())
+    return runs
+
+
 def benchmark_server(
     server: ServerHandle,
     engine: Engine,
@@ -424,97 +579,13 @@ def benchmark_server(
     served_model_name: str = "target",
     smoke_content: str | None = None,
 ) -> ServerRun:
-    """Warm the server up, then measure it at each concurrency (repeats; counters differenced around
-    each level) and at each open-loop request rate. `num_speculative_tokens`: the k the server was
-    started at (None: a baseline), for engines whose responses carry the counters."""
-    levels = [int(level) for level in concurrency]
-    reference = min(levels)
-    width = max([*levels, plan.open_loop_requests if plan.request_rates else 1])
-
-    async def measure() -> tuple[
-        list[ConcurrencyResult], list[OpenLoopResult], dict[int, RequestResult], int, SpecCounters | None
-    ]:
-        client = _Client(
-            server.base_url,
-            served_model_name,
-            engine,
-            plan.max_tokens,
-            plan.timeout_s,
-            width,
-            num_speculative_tokens=num_speculative_tokens,
-        )
-        try:
-            warmup = 0
-            for _ in range(plan.warmup_rounds):
-                for level in levels:
-                    discarded, _ = await _closed_loop(
-                        client, prompt_ids, level, min_requests=level, min_output_tokens=0, min_seconds=0.0
-                    )
-                    warmup += len(discarded)
-            # The prompt pass: at the reference concurrency, each prompt exactly once. Its outputs are the
-            # per-prompt records (the lossless comparison, the simulator's replay) and its counters the
-            # engine's acceptance: a prompt mix no timing can change. The timed repeats follow.
-            before = engine.parse_metrics(server.metrics_text())
-            prompt_pass, _ = await _closed_loop(
-                client,
-                prompt_ids,
-                reference,
-                min_requests=len(prompt_ids),
-                min_output_tokens=0,
-                min_seconds=0.0,
-            )
-            failed = [r for r in prompt_pass if r.error is not None]
-            if failed:
-                raise RuntimeError(
-                    f"server {name!r}: {len(failed)} requests failed, first: {failed[0].error}"
-                )
-            by_index = {r.index: r for r in prompt_pass}
-            pass_counters = _counters_between(engine, before, server, prompt_pass)
-            measured: list[ConcurrencyResult] = []
-            for level in levels:
-                before = engine.parse_metrics(server.metrics_text())
-                repeats = []
-                for _ in range(max(1, plan.repeats)):
-                    results, duration = await _closed_loop(
-                        client,
-                        prompt_ids,
-                        level,
-                        min_requests=level,
-                        min_output_tokens=plan.min_output_tokens,
-                        min_seconds=plan.min_seconds,
-                    )
-                    repeats.append((results, duration))
-                every = [r for results, _ in repeats for r in results]
-                counters = _counters_between(engine, before, server, every)
-                measured.append(_level_result(level, repeats, counters, len(prompt_ids)))
-            open_loop = [
-                await _measure_rate(client, prompt_ids, float(rate), plan) for rate in plan.request_rates
-            ]
-            return measured, open_loop, by_index, warmup, pass_counters
-        finally:
-            await client.http.aclose()
-
-    measured, open_loop, by_index, warmup, pass_counters = asyncio.run(measure())
-    records = [by_index[i] for i in range(len(prompt_ids))]
-    return ServerRun(
-        name=name,
-        startup_s=server.startup_s,
-        log_path=str(server.log_path),
-        smoke_content=smoke_content,
-        levels=measured,
-        outputs=[r.text for r in records],
-        output_logprobs=[r.token_logprobs for r in records],
-        output_token_ids=[r.token_ids for r in records],
-        output_counters=[
-            r.response_counters.to_json() if r.response_counters is not None else None for r in records
-        ],
-        reference_concurrency=reference,
-        open_loop=open_loop,
-        warmup_requests=warmup,
-        prompt_pass_counters=(
-            pass_counters.to_json() if pass_counters is not None and pass_counters.num_drafts > 0 else None
-        ),
-    )
+    """One server alone (benchmark_servers): `num_speculative_tokens` the k it was started at (None: a
+    baseline), for engines whose responses carry the counters."""
+    (run,) = benchmark_servers(
+        [ServerToMeasure(server, name, num_speculative_tokens, smoke_content)],
+        engine, prompt_ids, concurrency, plan, served_model_name=served_model_name,
+    )  # fmt: skip
+    return run
 
 
 async def _measure_rate(

@@ -150,7 +150,7 @@ def judge(
     )
     speedups = {
         value: level_speedups(
-            baseline,
+            measured.paired_baselines.get(value, baseline),
             run,
             acceptance_length=(engine_acceptance(run) or {}).get("mean_acceptance_length"),
             bound_tolerance=plan.speedup_bound_tolerance,

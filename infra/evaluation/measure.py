@@ -1,21 +1,27 @@
 """Measure: every server of an evaluation plan over HTTP, and the simulator on the same prompts.
 
-In order: the baseline server (no drafter), unless a baseline measured before is given; for a k sweep,
-the prediction (the simulator at the largest k along the baseline's output, the text a lossless
-speculative server produces); one speculative server per k; then the simulator at the engine's k in the
-engine's numeric mode, replaying the speculative server's own output where the engine returns its token
-ids (simulator.py). Nothing here judges: judge.py does.
+In order: one speculative server per k, each measured with a baseline server (no drafter) — both up
+together and measured in turns when the plan interleaves, else the baseline once, alone, before them
+(or a baseline measured before, given); for a k sweep, the prediction (the simulator at the largest k
+along the baseline's output, the text a lossless speculative server produces); then the simulator at
+the engine's k in the engine's numeric mode, replaying the speculative server's own output where the
+engine returns its token ids (simulator.py). Nothing here judges: judge.py does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftloop.infra.engines.base import Engine, EngineConfigError, EngineError, Speculation, read_json
 from draftloop.infra.engines.server import StartServer
-from draftloop.infra.evaluation.benchmark import ServerRun, benchmark_server
+from draftloop.infra.evaluation.benchmark import (
+    ServerRun,
+    ServerToMeasure,
+    benchmark_server,
+    benchmark_servers,
+)
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.simulator import (
     DrafterReading,
@@ -44,6 +50,8 @@ class Measurements:
     simulator_mode: NumericMode
     mode_mismatch: str | None  # what the simulator run here does not reproduce of the engine's mode
     layer_id_mismatch: str | None  # the engine reads other layer ids than the drafter was trained on
+    # Per k served in turns with a baseline server (plan.benchmark.interleave): that baseline's run.
+    paired_baselines: dict[int, ServerRun] = field(default_factory=dict)
 
 
 def measure_server(
@@ -69,6 +77,31 @@ def measure_server(
         )
 
 
+def measure_pair(
+    start: StartServer,
+    name: str,
+    speculation: Speculation,
+    engine: Engine,
+    prompt_ids: Sequence[Sequence[int]],
+    plan: EvaluationPlan,
+) -> tuple[ServerRun, ServerRun]:
+    """A baseline server and a speculative one up together, smoke-tested, measured in turns
+    (benchmark.benchmark_servers); both stopped. (baseline run, speculative run)."""
+    with start("baseline", None) as base, start(name, speculation) as spec:
+        smokes = [
+            getattr(server.smoke_test() if hasattr(server, "smoke_test") else None, "content", None)
+            for server in (base, spec)
+        ]
+        baseline, speculative = benchmark_servers(
+            [
+                ServerToMeasure(base, "baseline", None, smokes[0]),
+                ServerToMeasure(spec, name, speculation.num_speculative_tokens, smokes[1]),
+            ],
+            engine, prompt_ids, plan.concurrency, plan.benchmark,
+        )  # fmt: skip
+    return baseline, speculative
+
+
 def _replayable(run: ServerRun, num_prompts: int) -> list[list[int]] | None:
     """The server's output token ids for every prompt (what the simulator replays), else None."""
     follow = run.output_token_ids
@@ -92,28 +125,27 @@ def measure(
     `reading`: how the simulator reads the drafter folder (simulator.DrafterReading)."""
     prompt_ids = encode_prompts(target_dir, prompts, trust_remote_code=plan.trust_remote_code)
     k, ks = plan.num_speculative_tokens, plan.ks
-    if baseline is None:
+    interleave = plan.benchmark.interleave and baseline is None
+    if baseline is None and not interleave:
         baseline = measure_server(start, "baseline", None, engine, prompt_ids, plan)
     attention = family_for_config(read_json(target_dir / "config.json")).drafter_attention
     engine_mode = engine_numeric_mode(engine.settings, target_dir, attention)
     simulator_mode = simulator_numeric_mode(engine_mode, attention)
-    prediction: SimulatorFigures | None = None
-    if simulator is None and max(ks) > k:
-        # One simulation at the largest k predicts every smaller k (judge.predicted_acceptance_length).
-        prediction = run_simulator(
-            target_dir, drafter_dir, prompts, max(ks), plan.max_tokens, mode=simulator_mode,
-            follow_token_ids=_replayable(baseline, len(prompts)), engine_outputs=baseline.outputs,
-            trust_remote_code=plan.trust_remote_code, reading=reading,
-        )  # fmt: skip
 
     layer_id_mismatch = exported_layer_id_mismatch(engine, drafter_dir)
     runs: dict[int, ServerRun] = {}
+    paired: dict[int, ServerRun] = {}  # interleaved: the baseline each k's server took turns with
     for value in ks:
         speculation = Speculation(drafter_dir, value)
         try:
-            runs[value] = measure_server(
-                start, plan.server_name(value), speculation, engine, prompt_ids, plan
-            )
+            if interleave:
+                paired[value], runs[value] = measure_pair(
+                    start, plan.server_name(value), speculation, engine, prompt_ids, plan
+                )
+            else:
+                runs[value] = measure_server(
+                    start, plan.server_name(value), speculation, engine, prompt_ids, plan
+                )
         except EngineError as error:
             if layer_id_mismatch is None:
                 raise
@@ -123,6 +155,17 @@ def measure(
                 str(drafter_dir / "config.json"),
                 f"integration fault: {layer_id_mismatch}; the speculative server failed with them: {error}",
             ) from error
+    if baseline is None:
+        baseline = paired[k]
+
+    prediction: SimulatorFigures | None = None
+    if simulator is None and max(ks) > k:
+        # One simulation at the largest k predicts every smaller k (judge.predicted_acceptance_length).
+        prediction = run_simulator(
+            target_dir, drafter_dir, prompts, max(ks), plan.max_tokens, mode=simulator_mode,
+            follow_token_ids=_replayable(baseline, len(prompts)), engine_outputs=baseline.outputs,
+            trust_remote_code=plan.trust_remote_code, reading=reading,
+        )  # fmt: skip
 
     mismatch: str | None = None
     if simulator is None:
@@ -150,4 +193,5 @@ def measure(
         simulator_mode=simulator_mode,
         mode_mismatch=mismatch,
         layer_id_mismatch=layer_id_mismatch,
+        paired_baselines=paired,
     )

@@ -41,9 +41,11 @@ class BenchmarkPlan:
     tpot_target_s: float | None
     seed: int
     timeout_s: float
+    interleave: bool  # baseline and speculative servers up together, measured in turns
 
     @classmethod
-    def from_section(cls, evaluation: EvaluationConfig) -> BenchmarkPlan:
+    def from_section(cls, evaluation: EvaluationConfig, *, engine_num_gpus: float = 0.0) -> BenchmarkPlan:
+        interleave = evaluation.interleave
         return cls(
             max_tokens=int(evaluation.max_tokens),
             repeats=int(evaluation.repeats),
@@ -55,6 +57,7 @@ class BenchmarkPlan:
             tpot_target_s=evaluation.tpot_target_s,
             seed=OPEN_LOOP_SEED,
             timeout_s=REQUEST_TIMEOUT_S,
+            interleave=engine_num_gpus == 0 if interleave == "auto" else bool(interleave),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -87,14 +90,20 @@ class EvaluationPlan:
             config.evaluation,
             num_speculative_tokens=int(config.engine.num_speculative_tokens),
             trust_remote_code=bool(config.target.trust_remote_code),
+            engine_num_gpus=float(config.engine.num_gpus),
         )
 
     @classmethod
     def from_sections(
-        cls, evaluation: EvaluationConfig, *, num_speculative_tokens: int, trust_remote_code: bool
+        cls,
+        evaluation: EvaluationConfig,
+        *,
+        num_speculative_tokens: int,
+        trust_remote_code: bool,
+        engine_num_gpus: float = 0.0,
     ) -> EvaluationPlan:
         return cls(
-            benchmark=BenchmarkPlan.from_section(evaluation),
+            benchmark=BenchmarkPlan.from_section(evaluation, engine_num_gpus=engine_num_gpus),
             concurrency=tuple(int(level) for level in evaluation.concurrency),
             num_speculative_tokens=int(num_speculative_tokens),
             speculative_tokens_sweep=tuple(int(k) for k in evaluation.speculative_tokens_sweep or ()),

@@ -15,6 +15,7 @@ Verdicts, most serious first:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -294,8 +295,12 @@ SPEEDUP_UNMEASURED = "unmeasured"
 
 @dataclass
 class LevelSpeedup:
-    """Speedup at one concurrency: median speculative / median baseline throughput, with the interval
-    [min spec / max baseline, max spec / min baseline] over the repeats, and its status."""
+    """Speedup at one concurrency and its interval, with its status. `method` "interleaved": both servers
+    were up and took turns repeat by repeat; the speedup is the median of the adjacent pairs' ratios,
+    the interval their min-max (load that changed during the measurement fell on both sides of each
+    pair). "sequential": one server after the other; median speculative / median baseline throughput,
+    in [min spec / max baseline, max spec / min baseline] over the repeats (blind to load that changed
+    between the two servers)."""
 
     concurrency: int
     speedup: float | None
@@ -304,6 +309,7 @@ class LevelSpeedup:
     status: str
     reasons: list[str] = field(default_factory=list)
     mean_acceptance_length: float | None = None  # the bound: the level's own, else the whole run's
+    method: str = "sequential"  # interleaved | sequential
 
 
 def throughput_contradiction(level: ConcurrencyResult, factor: float) -> str | None:
@@ -356,11 +362,19 @@ def level_speedups(
         if base is None or not base.output_tokens_per_s:
             speedups.append(LevelSpeedup(spec.concurrency, None, None, None, SPEEDUP_UNMEASURED, [], length))
             continue
-        speedup = spec.output_tokens_per_s / base.output_tokens_per_s
-        b_low, b_high = base.throughput.get("min"), base.throughput.get("max")
-        s_low, s_high = spec.throughput.get("min"), spec.throughput.get("max")
-        low = s_low / b_high if s_low is not None and b_high else None
-        high = s_high / b_low if s_high is not None and b_low else None
+        pairs = _paired_ratios(baseline, base, speculative, spec)
+        low: float | None
+        high: float | None
+        if pairs:
+            method = "interleaved"
+            speedup, low, high = statistics.median(pairs), min(pairs), max(pairs)
+        else:
+            method = "sequential"
+            speedup = spec.output_tokens_per_s / base.output_tokens_per_s
+            b_low, b_high = base.throughput.get("min"), base.throughput.get("max")
+            s_low, s_high = spec.throughput.get("min"), spec.throughput.get("max")
+            low = s_low / b_high if s_low is not None and b_high else None
+            high = s_high / b_low if s_high is not None and b_low else None
         errors = [
             f"{run.name} {reason}"
             for run, level in ((baseline, base), (speculative, spec))
@@ -382,5 +396,19 @@ def level_speedups(
             ]
         else:
             status, reasons = SPEEDUP_OK, []
-        speedups.append(LevelSpeedup(spec.concurrency, speedup, low, high, status, reasons, length))
+        speedups.append(LevelSpeedup(spec.concurrency, speedup, low, high, status, reasons, length, method))
     return speedups
+
+
+def _paired_ratios(
+    baseline: ServerRun, base: ConcurrencyResult, speculative: ServerRun, spec: ConcurrencyResult
+) -> list[float]:
+    """Speculative / baseline throughput of each adjacent pair of repeats, when the two servers were
+    measured alternately (empty otherwise)."""
+    if speculative.interleaved_with != baseline.name or len(base.repeats) != len(spec.repeats):
+        return []
+    return [
+        s.output_tokens_per_s / b.output_tokens_per_s
+        for b, s in zip(base.repeats, spec.repeats, strict=True)
+        if b.output_tokens_per_s > 0
+    ]

@@ -257,6 +257,10 @@ class EvaluationConfig(_Section):
     min_output_tokens: int = Field(default=128, ge=0)
     min_seconds: float = Field(default=0.5, ge=0)
     warmup_rounds: int = Field(default=1, ge=0)
+    # Baseline and speculative servers up together and measured in turns, repeat by repeat (ABBA), so
+    # load that changes during the evaluation falls on both. auto: on where servers run on CPU
+    # (engine.num_gpus 0); on GPUs both need room at once (twice engine.num_gpus), so there it is a choice.
+    interleave: bool | Literal["auto"] = "auto"
     # Physical bounds: a speedup above the mean acceptance length x (1 + this) is a measurement error,
     # and so is a level whose duration is off its own TTFT/TPOT prediction by more than this factor.
     speedup_bound_tolerance: float = Field(default=0.1, ge=0)
