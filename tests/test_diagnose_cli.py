@@ -271,3 +271,32 @@ def test_on_a_deep_target_the_engine_defaults_are_a_reading_the_simulator_can_na
     )
     close = [ReadingFigures(served, 0.55, 2.6, []), ReadingFigures(trained, 0.6, 2.8, [])]
     assert find_cause(engine, folder, close, engine_rate=0.55, tolerance=0.05) is None
+
+
+def test_a_drafter_trained_on_hidden_states_before_the_final_norm_is_named_before_any_server(
+    target: Path, tmp_path: Path
+) -> None:
+    """The final norm flipped: its record says the last hidden states it learnt from were taken before
+    the target's final norm; every engine gives them after it (logits = lm_head(last hidden state))."""
+    folder = _saved(_drafter(target), tmp_path / "flipped")
+    config = json.loads((folder / "config.json").read_text())
+    config["draftloop"]["metadata"]["last_hidden_state"] = "before_final_norm"
+    (folder / "config.json").write_text(json.dumps(config))
+    started = time.monotonic()
+    result = RUNNER.invoke(
+        app,
+        [
+            "diagnose",
+            "--target",
+            str(target),
+            "--drafter",
+            str(folder),
+            "--json",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
+    assert result.exit_code == 4, result.output
+    cause = json.loads(result.stdout)["cause"]
+    assert cause["name"] == "final_norm" and "'before_final_norm'" in cause["explanation"], cause
+    assert time.monotonic() - started < 30
