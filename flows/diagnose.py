@@ -22,6 +22,7 @@ def diagnose(
     concurrency: list[int] = [1],  # noqa: B006 - a literal so the form shows it; never mutated
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32",
     max_model_len: int = 1024,
+    reasoning_parser: str = "",
     min_acceptance_length: float = 1.5,
 ) -> dict[str, Any]:
     """Is a bad number the drafter's fault or the engine's? Serve the target with the drafter, simulate
@@ -38,6 +39,7 @@ def diagnose(
         concurrency: Concurrency levels the speedup is measured at.
         dtype: Served dtype.
         max_model_len: Served context length.
+        reasoning_parser: A thinking target's reasoning parser (e.g. deepseek_r1); empty: none.
         min_acceptance_length: Under it, a drafter the engine runs right is called weak.
     """
     request = DiagnoseRequest(
@@ -51,6 +53,7 @@ def diagnose(
         concurrency=concurrency,
         dtype=dtype,
         max_model_len=max_model_len,
+        reasoning_parser=reasoning_parser or None,
         min_acceptance_length=min_acceptance_length,
     )
     request.check()  # a bad input fails the run by name before the task starts a server

@@ -7,6 +7,7 @@ deterministic in the prompt, so two fake servers agree (lossless) unless --pertu
 Modes: ok | fatal (logs a fatal line, then hangs) | exit (dies during start-up) | slow (never ready).
 --first-request-delay S: the first completion waits S seconds (a server's warm-up: compilation, caches).
 --spec-token-delay-factor F: the speculative server's per-token delay is F times the baseline's.
+--reasoning-parser split|inline: chat replies of a thinking model, its reasoning apart or inline.
 --load-file PATH: "t0 slope" — other load on the machine growing since t0: every token costs
 (1 + slope * (now - t0)) times its delay, on every server reading the same file.
 """
@@ -98,7 +99,12 @@ def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             if self.path == "/v1/chat/completions":
                 words = generate([len(m["content"]) for m in body["messages"]], max_tokens)
                 observe(len(words))
-                self._json(200, {"choices": [{"message": {"role": "assistant", "content": "".join(words)}}]})
+                message = {"role": "assistant", "content": "".join(words)}
+                if args.reasoning_parser == "split":  # a thinking model behind a working parser
+                    message = {**message, "reasoning_content": "Two plus two is four.", "content": "4"}
+                elif args.reasoning_parser == "inline":  # a parser that leaves the thinking in the content
+                    message = {**message, "content": "<think>Two plus two is four.</think>4"}
+                self._json(200, {"choices": [{"message": message}]})
                 return
             if self.path != "/v1/completions":
                 self._json(404, {"error": "not found"})
@@ -139,6 +145,7 @@ def main() -> None:
     parser.add_argument("--first-request-delay", type=float, default=0.0)
     parser.add_argument("--spec-token-delay-factor", type=float, default=1.0)
     parser.add_argument("--load-file", default=None)
+    parser.add_argument("--reasoning-parser", default=None)  # split | inline: a thinking model's replies
     args = parser.parse_args()
     print("INFO: fake engine starting", flush=True)
     time.sleep(args.startup_delay)

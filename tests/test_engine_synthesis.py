@@ -18,7 +18,7 @@ import pytest
 from fixtures_engine import require_vllm_env, vllm_settings
 
 from draftloop.infra.engines.base import get_engine
-from draftloop.infra.engines.server import EngineServer, ServerSpec
+from draftloop.infra.engines.server import EngineServer
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.synthesis.engine import (
     RequestPolicy,
@@ -269,9 +269,8 @@ def test_extra_body_and_reasoning_parser_reach_request_and_server(tmp_path: Any)
             {"engine.kind": kind, "synthesis.reasoning_parser": "deepseek_r1"},
             check_environment=False,
         )
-        engine = synthesis_engine(config)
-        argv = engine.server_command(ServerSpec(target_dir=tmp_path, port=1))
-        assert argv[argv.index("--reasoning-parser") + 1] == "deepseek_r1"
+        # Every server of the engine starts with them (EngineServer.start; tests/test_engine_unit.py).
+        assert synthesis_engine(config).reasoning_args() == ["--reasoning-parser", "deepseek_r1"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from draftloop.infra.engines.base import (
 from draftloop.infra.engines.doctor import describe_family, format_report
 from draftloop.infra.engines.leftovers import clean_stale_servers
 from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_contract, check_drafter_pairing
-from draftloop.infra.engines.server import EngineServer, EngineStartError
+from draftloop.infra.engines.server import EngineServer, EngineSmokeError, EngineStartError
 from draftloop.infra.runtime.config import EngineConfig
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
@@ -490,6 +490,28 @@ def test_doctor_reports_the_engine_patches_a_family_needs() -> None:
 
 def _target(tmp_path: Path) -> Path:
     return write_config(tmp_path / "target", {"architectures": ["LlamaForCausalLM"]})
+
+
+def test_a_thinking_targets_smoke_request_needs_its_reasoning_apart(tmp_path: Path) -> None:
+    """With a reasoning parser set, the servers start with `--reasoning-parser P` and the smoke request
+    ("What is 2+2?") must come back with reasoning and content apart; a parser that leaves the thinking
+    in the content fails by name. (The fake server's parser names are its reply modes.)"""
+    from dataclasses import replace
+
+    from draftloop.infra.evaluation.measure import smoke_text
+
+    for parser, error in (("split", None), ("inline", "the reasoning parser 'inline' returned no reasoning")):
+        engine = fake_engine()
+        engine = type(engine)(replace(engine.settings, reasoning_parser=parser))
+        server = EngineServer(engine, _target(tmp_path), tmp_path / f"run-{parser}", name="baseline")
+        with server:
+            assert server._argv[-2:] == ["--reasoning-parser", parser]
+            if error is None:
+                assert smoke_text(server) == "[reasoning] Two plus two is four.\n[content] 4"
+            else:
+                with pytest.raises(EngineSmokeError, match=error) as raised:
+                    server.smoke_test()
+                assert "<think>" in str(raised.value) and "What is 2+2?" in str(raised.value)
 
 
 def test_server_starts_answers_and_stops_its_process_group(tmp_path: Path) -> None:

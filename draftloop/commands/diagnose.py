@@ -38,6 +38,11 @@ def diagnose(
         "float32", "--dtype", help="Served dtype: float32 | bfloat16 | float16 | auto."
     ),
     max_model_len: int = typer.Option(1024, "--max-model-len", min=16, help="Served context length."),
+    reasoning_parser: str | None = typer.Option(
+        None,
+        "--reasoning-parser",
+        help="A thinking target's parser (e.g. deepseek_r1): reasoning kept apart.",
+    ),
     min_acceptance_length: float = typer.Option(
         1.5, "--min-acceptance-length", min=1.0, help="Under it, a drafter the engine runs right is weak."
     ),
@@ -75,6 +80,7 @@ def diagnose(
             python=python,
             dtype=dtype,  # type: ignore[arg-type]
             max_model_len=max_model_len,
+            reasoning_parser=reasoning_parser,
             min_acceptance_length=min_acceptance_length,
             out=out,
             register_as=register_as,

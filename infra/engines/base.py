@@ -118,6 +118,9 @@ class EngineSettings:
     host: str  # the address servers bind; beyond loopback they require `api_key`
     api_key: str | None
     trust_remote_code: bool  # the server runs the target folder's own code (target.trust_remote_code)
+    # A thinking target's reasoning parser (synthesis.reasoning_parser): every server starts with it, and
+    # its smoke request must come back with reasoning and content apart. None: not a thinking target.
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -311,10 +314,11 @@ class Engine(ABC):
 
     # ---- engine-backed synthesis and extraction ----------------------------------------------
 
-    def synthesis_args(self, reasoning_parser: str | None) -> list[str]:
-        """Extra server arguments for synthesis: the parser that returns a thinking model's reasoning
-        apart from its answer (`reasoning_content`), when the target has one."""
-        return ["--reasoning-parser", reasoning_parser] if reasoning_parser else []
+    def reasoning_args(self) -> list[str]:
+        """Extra server arguments for a thinking target: the parser that returns its reasoning apart
+        from its answer (`reasoning_content`), when the settings name one."""
+        parser = self.settings.reasoning_parser
+        return ["--reasoning-parser", parser] if parser else []
 
     def extraction_args(self, layer_ids: LayerIds, out_dir: Path) -> list[str]:
         """Extra server arguments that make the server compute the hidden states entering `layer_ids`

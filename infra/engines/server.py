@@ -213,13 +213,16 @@ class EngineServer:
         clean_stale_servers(self.run_dir, self.name)
         if self.port is None:
             self.port = free_port()
-        argv = self.engine.server_command(
-            ServerSpec(
-                self.target_dir,
-                self.port,
-                served_model_name=self.served_model_name,
-                speculation=self.speculation,
+        argv = (
+            self.engine.server_command(
+                ServerSpec(
+                    self.target_dir,
+                    self.port,
+                    served_model_name=self.served_model_name,
+                    speculation=self.speculation,
+                )
             )
+            + self.engine.reasoning_args()
         )
         # Recorded as passed: it must equal /proc/<pid>/cmdline for the stale-server check.
         self._argv = argv
@@ -365,8 +368,12 @@ class EngineServer:
             self.wait_ready()
         return self.starts
 
-    def smoke_test(self, prompt: str = "Say hello.", max_tokens: int = 16) -> SmokeResult:
-        """One greedy chat completion; its content must be non-empty (reasoning kept apart)."""
+    def smoke_test(self) -> SmokeResult:
+        """One greedy chat completion; its content must be non-empty. A thinking target's (the settings
+        name a reasoning parser): the seeds' "What is 2+2?", whose reasoning must come back apart from the
+        content: a parser that leaves it in the content (or drops it) fails here, by name."""
+        parser = self.engine.settings.reasoning_parser
+        prompt, max_tokens = ("What is 2+2?", 64) if parser else ("Say hello.", 16)
         body = {
             "model": self.served_model_name,
             "messages": [{"role": "user", "content": prompt}],
@@ -395,6 +402,11 @@ class EngineServer:
             raise EngineSmokeError(
                 f"server {self.name!r}: chat completion content is empty"
                 + (f" (reasoning: {str(reasoning)[:200]!r})" if reasoning else "")
+            )
+        if parser and not str(reasoning or "").strip():
+            raise EngineSmokeError(
+                f"server {self.name!r}: the reasoning parser {parser!r} returned no reasoning for {prompt!r} "
+                f"(content: {content[:200]!r}): the target's thinking is dropped or left in the content"
             )
         return SmokeResult(content=content, reasoning=reasoning)
 

@@ -68,6 +68,9 @@ class DiagnoseRequest(BaseModel):
     python: str | None = None  # the engine's Python (None: the repository's .venvs/<engine>)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     max_model_len: int = Field(default=1024, ge=16)
+    # A thinking target's reasoning parser (e.g. deepseek_r1): the servers start with it and the smoke
+    # request must return reasoning and content apart. None: not a thinking target.
+    reasoning_parser: str | None = None
     min_acceptance_length: float = Field(default=1.5, ge=1.0)  # under it a drafter run right is weak
     out: Path = Path(".draftloop/diagnose")
     # Register the drafter as an external baseline version of this registered model (None: do not).
@@ -108,7 +111,9 @@ class DiagnoseRequest(BaseModel):
             kind=self.engine, dtype=self.dtype, max_model_len=self.max_model_len
         ).settings(trust_remote_code=False)
         python = self.python or str(REPO_ROOT / ".venvs" / self.engine / "bin" / "python")
-        engine = get_engine(self.engine, replace(settings, python=python))
+        engine = get_engine(
+            self.engine, replace(settings, python=python, reasoning_parser=self.reasoning_parser)
+        )
         plan = EvaluationPlan.from_sections(section, num_speculative_tokens=self.k, trust_remote_code=False)
         clean_run_dir(self.out)
         return diagnose(engine, plan, self.target, self.drafter, prompts, self.out)

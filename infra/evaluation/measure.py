@@ -54,6 +54,17 @@ class Measurements:
     paired_baselines: dict[int, ServerRun] = field(default_factory=dict)
 
 
+def smoke_text(server: object) -> str | None:
+    """The server's smoke request's answer (a thinking target's: its reasoning and content apart)."""
+    smoke = getattr(server, "smoke_test", None)
+    if smoke is None:
+        return None
+    result = smoke()
+    if result.reasoning:
+        return f"[reasoning] {result.reasoning}\n[content] {result.content}"
+    return str(result.content)
+
+
 def measure_server(
     start: StartServer,
     name: str,
@@ -64,7 +75,7 @@ def measure_server(
 ) -> ServerRun:
     """Start one server, smoke-test it, benchmark it at every concurrency of the plan, stop it."""
     with start(name, speculation) as server:
-        smoke = server.smoke_test() if hasattr(server, "smoke_test") else None
+        smoke = smoke_text(server)
         return benchmark_server(
             server,
             engine,
@@ -73,7 +84,7 @@ def measure_server(
             plan.benchmark,
             name=name,
             num_speculative_tokens=speculation.num_speculative_tokens if speculation is not None else None,
-            smoke_content=getattr(smoke, "content", None),
+            smoke_content=smoke,
         )
 
 
@@ -88,10 +99,7 @@ def measure_pair(
     """A baseline server and a speculative one up together, smoke-tested, measured in turns
     (benchmark.benchmark_servers); both stopped. (baseline run, speculative run)."""
     with start("baseline", None) as base, start(name, speculation) as spec:
-        smokes = [
-            getattr(server.smoke_test() if hasattr(server, "smoke_test") else None, "content", None)
-            for server in (base, spec)
-        ]
+        smokes = [smoke_text(server) for server in (base, spec)]
         baseline, speculative = benchmark_servers(
             [
                 ServerToMeasure(base, "baseline", None, smokes[0]),

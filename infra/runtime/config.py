@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -100,7 +101,8 @@ class SynthesisConfig(_Section):
     num_gpus: float = Field(default=0, ge=0)
     # engine backend: tries per chat request before the conversation is rejected (rejected.jsonl)
     max_attempts: int = Field(default=3, ge=1)
-    # engine backend: the server's reasoning parser for a thinking target (e.g. deepseek_r1), null = none
+    # a thinking target's reasoning parser (e.g. deepseek_r1): the synthesis server's and the evaluation's
+    # (their smoke requests check reasoning and content come apart); null = not a thinking target
     reasoning_parser: str | None = None
     # engine backend: extra fields of every chat request (e.g. {"thinking_token_budget": 64} on vLLM)
     extra_body: dict[str, Any] = Field(default_factory=dict)
@@ -546,7 +548,10 @@ class ExperimentConfig(_Section):
     def engine_settings(self) -> EngineSettings:
         """The engine section as the engine modules take it, with the target's trust_remote_code (the
         server loads the target too)."""
-        return self.engine.settings(trust_remote_code=self.target.trust_remote_code)
+        return replace(
+            self.engine.settings(trust_remote_code=self.target.trust_remote_code),
+            reasoning_parser=self.synthesis.reasoning_parser,
+        )
 
     def target_family(self) -> TargetFamily:
         """The target's family (kernels/families/; "generic": no module), from config.json or its recipe."""

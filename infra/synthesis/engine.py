@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -226,7 +226,5 @@ def regenerate_from_config(
 
 
 def synthesis_engine(config: ExperimentConfig) -> Engine:
-    """The configured engine, its server started with the synthesis reasoning parser (if any)."""
-    engine = get_engine(config.engine.kind, config.engine_settings())
-    extra = engine.synthesis_args(config.synthesis.reasoning_parser)
-    return type(engine)(replace(engine.settings, extra_args=(*engine.settings.extra_args, *extra)))
+    """The configured engine (its servers start with the target's reasoning parser, if any)."""
+    return get_engine(config.engine.kind, config.engine_settings())
