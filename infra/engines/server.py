@@ -373,7 +373,8 @@ class EngineServer:
         name a reasoning parser): the seeds' "What is 2+2?", whose reasoning must come back apart from the
         content: a parser that leaves it in the content (or drops it) fails here, by name."""
         parser = self.engine.settings.reasoning_parser
-        prompt, max_tokens = ("What is 2+2?", 64) if parser else ("Say hello.", 16)
+        # Room to think before answering (a cut-off thought leaves the content empty: named below too).
+        prompt, max_tokens = ("What is 2+2?", 512) if parser else ("Say hello.", 16)
         body = {
             "model": self.served_model_name,
             "messages": [{"role": "user", "content": prompt}],
