@@ -14,11 +14,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import Tensor, nn
 
+from .compile_cache import cache_file, load_compiled, save_compiled
 from .data import StepShare, TrainingData
 from .distributed import sum_across_ranks, sum_gradients_across_ranks
 from .drafter import Eagle3Drafter
@@ -64,6 +66,9 @@ class TrainConfig:
     # (~2x faster after ~2 min of compilation, bench/RESULTS.md). Batches are then padded to the full
     # batch size and to a multiple of pad_multiple tokens, so only a few shapes compile.
     compile: bool | None = None
+    # Compiled: a folder where the compiled loss is kept between processes (kernels/compile_cache.py),
+    # loaded before the first step and written after it. None: torch's per-machine caches only.
+    compile_cache_dir: str | None = None
     pad_multiple: int = 512
     # Pack samples into rows of at most this many tokens (first-fit decreasing); each micro-batch is one
     # packed row. None: one sample per row.
@@ -198,6 +203,7 @@ class TrainingRun:
     loss_fn: LossFn
     # Compiled: few shapes. (rows, tokens) every batch is padded to, None where it is not.
     fixed_shape: tuple[int | None, int | None]
+    compile_cache: Path | None = None  # where the compiled loss is kept (compiled, with a cache folder)
 
     @classmethod
     def start(
@@ -220,6 +226,8 @@ class TrainingRun:
             head = draft_target_head(drafter, head)
         head = head.to(torch.bfloat16) if device.type == "cuda" else head.float()
         compiled = cfg.compile is not False and device.type == "cuda"
+        if compiled and cfg.compile_cache_dir is not None:
+            load_compiled(cache_file(cfg.compile_cache_dir, device))
         loss_fn: LossFn = cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
         # Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens; packed rows all
         # to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly.
@@ -231,7 +239,10 @@ class TrainingRun:
         optimizer = make_optimizer(drafter, cfg)  # (freezes the lm_head unless cfg.train_lm_head)
         params = [p for p in drafter.parameters() if p.requires_grad]
         scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.lr_schedule)
-        return cls(drafter, head, cfg, device, world, optimizer, scheduler, params, loss_fn, fixed_shape)
+        cache = cache_file(cfg.compile_cache_dir, device) if compiled and cfg.compile_cache_dir else None
+        return cls(
+            drafter, head, cfg, device, world, optimizer, scheduler, params, loss_fn, fixed_shape, cache
+        )
 
     def forward_backward(self, batch: Mapping[str, Tensor], step_tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One micro-batch: its loss and TTT terms; its backward pass adds its part of dL/dθ."""
@@ -315,6 +326,7 @@ def train_drafter(
         on_checkpoint(cpu_copy(state.resume_state(run.optimizer, run.scheduler, trained)))
 
     progress = _progress(total_steps - state.global_step, cfg.show_progress, "train drafter")
+    saved_compiled = False
     try:
         while state.epoch < cfg.epochs:
             if state.consumed == 0:
@@ -326,6 +338,9 @@ def train_drafter(
                 state.epoch, cfg.seed, cfg.samples_per_step, state.consumed, rank, world
             ):
                 record = run.train_step(share, state.global_step + 1, state.epoch)
+                if run.compile_cache is not None and rank == 0 and not saved_compiled:
+                    save_compiled(run.compile_cache)  # the first step compiled what later steps reuse
+                    saved_compiled = True
                 state.step_done(record, share.step_samples, share.sample_ids)
                 if on_step is not None:
                     on_step(state.global_step, record)

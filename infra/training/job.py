@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from draftloop.infra.runtime.config import ExperimentConfig
+from draftloop.infra.runtime.processes import state_dir
 from draftloop.infra.runtime.storage import Manifest, storage_options
 from draftloop.infra.training.sources import HiddenStates, StoredHiddenStates
 from draftloop.kernels.layer_ids import LayerIds
@@ -20,7 +21,7 @@ from draftloop.kernels.train import TrainConfig
 __all__ = ["TrainingJob"]
 
 # The TrainConfig fields the training section does not hold: set below.
-_NOT_FROM_SECTION = ("max_length", "show_progress")
+_NOT_FROM_SECTION = ("max_length", "show_progress", "compile_cache_dir")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class TrainingJob:
             **shared,
             max_length=int(config.data.max_length),
             show_progress=False,
+            # Shared by every run on this machine: a resume, a rerun or another config of the same
+            # shapes finds the loss compiled (kernels/compile_cache.py).
+            compile_cache_dir=str(state_dir() / "compile-cache"),
         )
         if isinstance(hidden, Manifest):
             extracted = LayerIds(tuple(int(i) for i in hidden.summary["aux_layer_ids"]), "layer_input")
