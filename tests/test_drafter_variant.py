@@ -1,6 +1,7 @@
 """The drafter-variant seam: a variant is one module (tests/fake_variant.py) that is registered, built,
-trained a step, saved and loaded back, exported to and read from the speculators format; names no
-registered variant computes are refused once, by the registry, naming them."""
+trained a step, saved and loaded back; one with no speculators form is refused there by name (the
+published round trip is EAGLE 3.1's, tests/test_eagle31.py); names no registered variant computes, and
+published fields several variants claim, are refused once, by the registry, naming them."""
 
 from __future__ import annotations
 
@@ -20,7 +21,16 @@ from draftloop.kernels.files import DrafterFormatError
 from draftloop.kernels.packing import collate_samples
 from draftloop.kernels.speculators import export_speculators
 from draftloop.kernels.train import TrainConfig, train_drafter
-from draftloop.kernels.variants.base import UnsupportedVariantError, get_variant, known_variants
+from draftloop.kernels.variants.base import (
+    _VARIANTS,
+    SPECULATORS_VARIANT_FIELDS,
+    DrafterVariant,
+    UnsupportedVariantError,
+    get_variant,
+    known_variants,
+    register_variant,
+    variant_for_published,
+)
 
 
 def variant_drafter(embed: torch.Tensor, **options: object) -> Eagle3Drafter:
@@ -70,15 +80,10 @@ def test_a_variant_module_is_registered_built_trained_saved_and_loaded(tmp_path:
     for want, got in zip(outputs(drafter, batch), outputs(loaded, batch), strict=True):
         assert torch.equal(want, got)
 
-    # The speculators format names it by its variant fields; reading it back finds this variant.
-    spec = export_speculators(drafter, tmp_path / "spec", str(tmp_path / "target"))
-    exported = json.loads((spec / "config.json").read_text())
-    fields = ("fc_norm", "norm_output", "norm_before_residual", "norm_before_fc")
-    assert [exported[name] for name in fields] == [True, True, False, False]
-    published = load_drafter(spec, convention="layer_input").attach_embeddings(embed)
-    assert published.config.variant == fake_variant.NAME
-    for want, got in zip(outputs(drafter, batch), outputs(published, batch), strict=True):
-        torch.testing.assert_close(got, want)
+    # No speculators form: the export is refused by the variant, naming it, before any file is written.
+    with pytest.raises(UnsupportedVariantError, match=r"'fake_fc_norm' has no speculators form"):
+        export_speculators(drafter, tmp_path / "spec", str(tmp_path / "target"))
+    assert not (tmp_path / "spec" / "config.json").exists()
 
 
 def test_variant_options_reach_the_layer() -> None:
@@ -103,9 +108,24 @@ def test_unknown_variants_and_fields_are_refused_by_the_registry(tmp_path: Path)
     with pytest.raises(DrafterFormatError, match=r"config\.json.*unknown drafter variant 'medusa'"):
         load_drafter(out)
     # A published speculators variant no registered variant computes: refused, naming its fields.
-    spec = export_speculators(variant_drafter(embed), tmp_path / "spec", str(tmp_path / "target"))
+    plain = Eagle3Drafter(DrafterConfig.for_target(TARGET, LAYERS)).attach_embeddings(embed)
+    spec = export_speculators(plain, tmp_path / "spec", str(tmp_path / "target"))
     published = json.loads((spec / "config.json").read_text())
     published.pop("draftloop")
-    (spec / "config.json").write_text(json.dumps({**published, "norm_before_residual": True}))
+    (spec / "config.json").write_text(
+        json.dumps({**published, "norm_before_residual": True, "fc_norm": True})
+    )
     with pytest.raises(DrafterFormatError, match=r"'norm_before_residual': True.*'fc_norm': True"):
         load_drafter(spec, convention="layer_input")
+
+
+def test_published_fields_two_variants_claim_are_refused() -> None:
+    # A second variant claiming what plain EAGLE-3 claims (every field off): neither may win by order.
+    rival = DrafterVariant(name="zz_rival_eagle3")
+    register_variant(rival)
+    try:
+        with pytest.raises(UnsupportedVariantError, match=r"claimed by several.*eagle3, zz_rival_eagle3"):
+            variant_for_published(dict.fromkeys(SPECULATORS_VARIANT_FIELDS, False))
+    finally:
+        _VARIANTS.pop(rival.name)
+    assert variant_for_published(dict.fromkeys(SPECULATORS_VARIANT_FIELDS, False))[0].name == "eagle3"
