@@ -46,6 +46,7 @@ from draftloop.infra.engines.base import (
 from draftloop.infra.engines.pairing import FineTuneContract, check_drafter_contract
 from draftloop.infra.targets import zoo
 from draftloop.infra.targets.support import TargetRefusedError, refuse_unsupported_target, target_model_config
+from draftloop.kernels.drafter import DrafterConfig
 from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import LrSchedule, TrainConfig
@@ -151,6 +152,10 @@ class TrainingConfig(_Section):
     # (layer_input | layer_output, or the engine that reads them); null = the folder must record it.
     drafter_init_convention: str | None = None
     draft_vocab_size: int | None = Field(default=None, ge=1)
+    # The drafter variant (kernels/variants/: eagle3 | eagle3.1) and its options ({}: the variant's
+    # defaults; eagle3.1: fc_norm, norm_before_fc, norm_output). A drafter_init keeps its folder's.
+    drafter: str = "eagle3"
+    drafter_options: dict[str, bool] = Field(default_factory=dict)
     # The training loop's settings take their defaults from kernels/train.py's TrainConfig (the one place
     # they are declared; it says why the last three).
     ttt_length: int = Field(default=TrainConfig.ttt_length, ge=1)
@@ -407,6 +412,7 @@ class ExperimentConfig(_Section):
         self._check_target_support(check_environment)
         self._check_aux_layer_ids(depth)
         self._check_drafter_init(hidden_size, check_environment)
+        self._check_drafter_variant()
         self._check_prompts_source()
         if check_environment:
             self._check_engine_python()
@@ -504,6 +510,20 @@ class ExperimentConfig(_Section):
                 f"{self.target.path} has hidden size {target_hidden_size}",
             )
 
+    def _check_drafter_variant(self) -> None:
+        """The variant and its options as the drafter for this target would be built (an MLA drafter
+        refuses what vLLM's MLA drafter does not compute), in seconds, not inside the train stage."""
+        if self.training.drafter_init is not None:
+            return
+        try:
+            DrafterConfig.for_target(
+                target_model_config(self.target.path, self.target.create), self.aux_layer_ids_internal(),
+                self.training.draft_vocab_size, variant=self.training.drafter,
+                variant_options=self.training.drafter_options,
+            )  # fmt: skip
+        except ValueError as error:
+            raise ConfigError("training.drafter", str(error)) from None
+
     def _check_prompts_source(self) -> None:
         source = self.data.prompts
         if source != "builtin" and not _is_uri(source) and not Path(source).is_file():
@@ -572,6 +592,9 @@ class ExperimentConfig(_Section):
         dumped = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
         for placement in _PLACEMENT_FIELDS.get(name, ()):  # where it runs, not what it computes
             dumped.pop(placement, None)
+        for added, default in _ADDED_FIELDS.get(name, {}).items():
+            if dumped.get(added) == default:
+                dumped.pop(added)
         canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -581,6 +604,9 @@ class ExperimentConfig(_Section):
 
 # Fields that say where work runs, not what it computes: left out of the section's hash, so that a
 # training resumes from its checkpoints on another number of workers (its steps do not depend on it).
+# Fields added after runs were cached: at their default they leave the section's hash as it was, so a
+# config that does not use them keeps its finished stages.
+_ADDED_FIELDS: dict[str, dict[str, Any]] = {"training": {"drafter": "eagle3", "drafter_options": {}}}
 _PLACEMENT_FIELDS = {"training": ("num_workers", "num_gpus_per_worker")}
 
 

@@ -7,7 +7,7 @@ The train stage builds it (`TrainingJob.from_config`) and hands it to every Ray 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ class TrainingJob:
     # The convention of a published drafter_init's aux ids (training.drafter_init_convention); None: the
     # folder records them. Last, with a default: jobs built without a drafter_init need not name it.
     drafter_init_convention: str | None = None
+    # A fresh drafter's variant and options (training.drafter, training.drafter_options).
+    drafter_variant: str = "eagle3"
+    drafter_variant_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_config(
@@ -92,4 +95,6 @@ class TrainingJob:
             acceptance_k=int(config.engine.num_speculative_tokens),
             train=train,
             drafter_init_convention=section.drafter_init_convention,
+            drafter_variant=section.drafter,
+            drafter_variant_options=dict(section.drafter_options),
         )

@@ -78,7 +78,10 @@ def _build_drafter(
         drafter = load_drafter(job.drafter_init, convention=job.drafter_init_convention)
     else:
         target_config = json.loads((Path(job.target_path) / "config.json").read_text())
-        config = DrafterConfig.for_target(target_config, job.aux_layer_ids, job.draft_vocab_size)
+        config = DrafterConfig.for_target(
+            target_config, job.aux_layer_ids, job.draft_vocab_size,
+            variant=job.drafter_variant, variant_options=job.drafter_variant_options,
+        )  # fmt: skip
         torch.manual_seed(job.train.seed)
         drafter = Eagle3Drafter(config)
         vocab_size = int(config.vocab_size)
