@@ -513,13 +513,13 @@ class ExperimentConfig(_Section):
     def _check_drafter_variant(self) -> None:
         """The variant and its options as the drafter for this target would be built (an MLA drafter
         refuses what vLLM's MLA drafter does not compute), in seconds, not inside the train stage."""
-        if self.training.drafter_init is not None:
-            return
+        section = self.training
+        if section.drafter_init is not None or (section.drafter == "eagle3" and not section.drafter_options):
+            return  # plain EAGLE-3: built from the target as always (its checks are the target's own)
         try:
             DrafterConfig.for_target(
                 target_model_config(self.target.path, self.target.create), self.aux_layer_ids_internal(),
-                self.training.draft_vocab_size, variant=self.training.drafter,
-                variant_options=self.training.drafter_options,
+                section.draft_vocab_size, variant=section.drafter, variant_options=section.drafter_options,
             )  # fmt: skip
         except ValueError as error:
             raise ConfigError("training.drafter", str(error)) from None
