@@ -67,9 +67,10 @@ def test_readings_of_a_published_folder_cover_both_conventions(target: Path, tmp
     assert folder.format == "sglang" and folder.config_ids == [0, 2, 4] and folder.trained_ids is None
     readings = readings_of(get_engine("vllm"), folder, depth=6)
     # vLLM reads [0, 2, 4] as layer_input (= that trained candidate); as layer_output they are [1, 3, 5].
-    assert [(r.capture_ids, r.engine_reads, r.trained) for r in readings] == [
-        ((0, 2, 4), True, True),
-        ((1, 3, 5), False, True),
+    assert [(r.capture_ids, r.engine_reads, r.trained, r.norm_output) for r in readings] == [
+        ((0, 2, 4), True, True, None),
+        ((1, 3, 5), False, True, None),
+        ((0, 2, 4), False, True, True),  # nothing records the handed-on state either: the other one
     ]
 
 

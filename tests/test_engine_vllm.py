@@ -218,6 +218,29 @@ def test_a_published_sglang_folder_on_vllm_is_named_a_convention_fault(
     assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # what it was trained on, for vLLM
 
 
+def test_an_eagle31_field_flipped_in_a_published_folder_is_named_the_final_norm(
+    llama_eval: Any, tmp_path: Path
+) -> None:
+    """EAGLE 3.1's `norm_output` written into a published vLLM folder whose drafter was trained without
+    it: vLLM serves the field (the next step gets the state after the final norm) exactly as the
+    simulator's EAGLE 3.1 reading computes it (engine = simulator), and the reading without it is the one
+    that accepts: the cause named `final_norm`, the fix the flag."""
+    pair = llama_eval[0]
+    published = tmp_path / "published-3.1"
+    get_engine("vllm").export_drafter(pair.drafter, published)
+    config = json.loads((published / "config.json").read_text())
+    del config["draftloop"]
+    config |= {"fc_norm": False, "norm_before_fc": False, "norm_output": True}
+    (published / "config.json").write_text(json.dumps(config))
+    diagnosis = _diagnose(llama_eval, published, tmp_path / "eval")
+    assert diagnosis.folder.norm_output is True
+    engine, simulator = diagnosis.engine or {}, diagnosis.simulator or {}
+    assert abs(engine["acceptance_rate"] - simulator["acceptance_rate"]) <= TOLERANCE, (engine, simulator)
+    assert diagnosis.verdict == VERDICT_FAULT and diagnosis.cause is not None, diagnosis.reasons
+    assert diagnosis.cause.name == "final_norm", diagnosis.cause
+    assert diagnosis.cause.fix == f'set "norm_output": false in {published}/config.json'
+
+
 def test_standard_attention_drafter_on_mla_target_refused_before_startup(
     trained_pair: Callable[[str], Any], tmp_path: Path
 ) -> None:

@@ -53,7 +53,9 @@ from draftloop.infra.evaluation.verdict import (
     VERDICT_OK,
     VERDICT_WEAK,
 )
+from draftloop.kernels.checkpoint import read_drafter_config
 from draftloop.kernels.families.base import family_for_config
+from draftloop.kernels.files import DrafterFormatError
 from draftloop.kernels.layer_ids import LayerIds
 
 MEASUREMENT_ERROR = "measurement_error"
@@ -73,6 +75,9 @@ class FolderReading:
     config_ids: list[int] | None  # eagle_aux_hidden_state_layer_ids as written (top level or eagle_config)
     trained_ids: list[int] | None  # layer_input, from the draftloop record
     stated: str  # how the folder was read, for the report
+    # Whether its drafter hands on the hidden state after its final norm (EAGLE 3.1's norm_output), as
+    # the config says; None when the config cannot be read as a drafter's.
+    norm_output: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class Reading:
     capture_ids: tuple[int, ...]
     engine_reads: bool  # what the engine does with the folder
     trained: bool  # a candidate for what the drafter was trained on
+    norm_output: bool | None = None  # hand on the state after the final norm or not; None: as the config
 
 
 @dataclass
@@ -146,9 +152,15 @@ def read_folder(drafter_dir: Path) -> FolderReading:
         stated = f"{fmt} format, no draftloop record: its ids read in both conventions"
     if ids is None:
         stated += "; its config names no aux layer ids"
+    try:  # (the variant does not depend on the ids' convention)
+        options = read_drafter_config(drafter_dir, "layer_input").variant_options
+        norm_output: bool | None = bool(options.get("norm_output", False))
+    except DrafterFormatError:
+        norm_output = None
     return FolderReading(
-        str(drafter_dir), fmt, ids, list(trained.as_input()) if trained is not None else None, stated
-    )
+        str(drafter_dir), fmt, ids, list(trained.as_input()) if trained is not None else None, stated,
+        norm_output,
+    )  # fmt: skip
 
 
 def readings_of(engine: Engine, folder: FolderReading, depth: int) -> list[Reading]:
@@ -179,6 +191,15 @@ def readings_of(engine: Engine, folder: FolderReading, depth: int) -> list[Readi
             readings[0] = Reading(merged, ids, engine_reads=True, trained=True)
         elif all(0 <= i < depth for i in ids):
             readings.append(Reading(label, ids, engine_reads=False, trained=True))
+    if folder.trained_ids is None and folder.norm_output is not None:
+        # A published folder: nothing records which hidden state its drafter learnt to hand on; a config
+        # that says the other one makes the engine feed every later draft step a state it never saw.
+        flipped = not folder.norm_output
+        label = (
+            f"the hidden state handed on {'after' if flipped else 'before'} the final norm "
+            f"(norm_output {str(flipped).lower()}; the config says {str(folder.norm_output).lower()})"
+        )
+        readings.append(Reading(label, readings[0].capture_ids, False, True, norm_output=flipped))
     return readings
 
 
@@ -188,6 +209,27 @@ def _loadable_view(drafter_dir: Path, work: Path, ids: Sequence[int]) -> Path:
     view = work / "drafter-view"
     view.mkdir(parents=True, exist_ok=True)
     config = read_json(drafter_dir / "config.json") | {"eagle_aux_hidden_state_layer_ids": list(ids)}
+    (view / "config.json").write_text(json.dumps(config, indent=2))
+    for weights in drafter_dir.glob("*.safetensors"):
+        target = view / weights.name
+        if not target.exists():
+            target.symlink_to(weights.resolve())
+    return view
+
+
+def _norm_output_view(drafter_dir: Path, work: Path, ids: Sequence[int], norm_output: bool) -> Path:
+    """The folder read as a published vLLM folder whose drafter hands on the state after its final norm
+    (`norm_output`) or before it; its ids (layer_input) and other variant fields as the folder's."""
+    options = read_drafter_config(drafter_dir, "layer_input").variant_options
+    view = work / f"drafter-view-norm-output-{str(norm_output).lower()}"
+    view.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in read_json(drafter_dir / "config.json").items() if k != "draftloop"}
+    config |= {
+        "eagle_aux_hidden_state_layer_ids": list(ids),
+        "fc_norm": bool(options.get("fc_norm", False)),
+        "norm_before_fc": bool(options.get("norm_before_fc", False)),
+        "norm_output": norm_output,
+    }
     (view / "config.json").write_text(json.dumps(config, indent=2))
     for weights in drafter_dir.glob("*.safetensors"):
         target = view / weights.name
@@ -240,6 +282,15 @@ def find_cause(
     best = max(trained, key=lambda f: f.acceptance_rate or 0.0)
     if best is served or (best.acceptance_rate or 0.0) - served.acceptance_rate <= CAUSE_MARGIN * tolerance:
         return None
+    if best.reading.norm_output is not None:
+        return Cause(
+            "final_norm",
+            f"{engine.kind} hands the drafter's next step the state "
+            f"{'after' if folder.norm_output else 'before'} its final norm, as the config's norm_output "
+            f"{str(folder.norm_output).lower()} says (the simulator gives {served.acceptance_rate:.3f} for "
+            f"that reading); read as {best.reading.label}, it accepts {best.acceptance_rate:.3f}",
+            f'set "norm_output": {str(best.reading.norm_output).lower()} in {folder.path}/config.json',
+        )
     explained = engine_rate is not None and abs(engine_rate - served.acceptance_rate) <= tolerance
     matched = (
         f"the engine's acceptance {engine_rate:.3f} matches this reading's {served.acceptance_rate:.3f}"
@@ -391,6 +442,15 @@ def diagnose(
                 )
             )
             continue
+        if reading.norm_output is not None:
+            flipped = _norm_output_view(drafter_dir, run_dir, reading.capture_ids, reading.norm_output)
+            simulated = DrafterReading(convention="layer_input", folder=flipped)
+        else:
+            simulated = DrafterReading(
+                convention=as_served.convention,
+                capture_ids=LayerIds(reading.capture_ids, "layer_input"),
+                folder=view,
+            )
         result = run_simulator(
             target_dir,
             drafter_dir,
@@ -400,11 +460,7 @@ def diagnose(
             mode=mode,
             follow_token_ids=replay,
             trust_remote_code=plan.trust_remote_code,
-            reading=DrafterReading(
-                convention=as_served.convention,
-                capture_ids=LayerIds(reading.capture_ids, "layer_input"),
-                folder=view,
-            ),
+            reading=simulated,
         )
         figures.append(
             ReadingFigures(
