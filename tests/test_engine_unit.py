@@ -85,7 +85,11 @@ def test_engine_settings_are_the_engine_section_without_k() -> None:
     settings, or the reverse, fails here; k is each server's (Speculation), never the engine's."""
     settings_fields = {item.name for item in dataclasses.fields(EngineSettings)}
     section_fields = set(EngineConfig.model_fields)
-    assert settings_fields == (section_fields - {"num_speculative_tokens"}) | {"trust_remote_code"}
+    # (plus the target's: its own code, and a thinking target's reasoning parser)
+    assert settings_fields == (section_fields - {"num_speculative_tokens"}) | {
+        "trust_remote_code",
+        "reasoning_parser",
+    }
     assert all(item.default is dataclasses.MISSING for item in dataclasses.fields(EngineSettings))
     section = EngineConfig(max_num_seqs=7, extra_args=["--x"], env={"A": "1"})
     settings = section.settings(trust_remote_code=True)

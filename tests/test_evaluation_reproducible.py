@@ -38,10 +38,10 @@ def _evaluations(
     """One evaluation per slope, each under load growing at that slope from its start."""
     load = tmp_path / "load"
     engine = fake_engine(
-        "--token-delay", "0.003", "--spec-token-delay-factor", "0.5", "--load-file", str(load)
+        "--token-delay", "0.01", "--spec-token-delay-factor", "0.5", "--load-file", str(load)
     )  # fmt: skip
     plan = evaluation_plan(
-        max_tokens=8, repeats=3, min_seconds=0.2, concurrency=[1, 4], interleave=interleave
+        max_tokens=8, repeats=4, min_seconds=0.2, concurrency=[1, 4], interleave=interleave
     )
     assert plan.benchmark.interleave is interleave
     reports = []

@@ -120,7 +120,7 @@ class EngineSettings:
     trust_remote_code: bool  # the server runs the target folder's own code (target.trust_remote_code)
     # A thinking target's reasoning parser (synthesis.reasoning_parser): every server starts with it, and
     # its smoke request must come back with reasoning and content apart. None: not a thinking target.
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None
 
 
 @dataclass(frozen=True)

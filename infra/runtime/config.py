@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -226,13 +225,15 @@ class EngineConfig(_Section):
             )
         return self
 
-    def settings(self, *, trust_remote_code: bool) -> EngineSettings:
+    def settings(self, *, trust_remote_code: bool, reasoning_parser: str | None = None) -> EngineSettings:
         """This section as the engine modules take it (the one place EngineSettings is built): every
         field but k, which each speculative server gets on its own (`Speculation`), plus whether the
         server runs the target folder's own code (target.trust_remote_code)."""
         fields = self.model_dump(exclude={"num_speculative_tokens"})
         return EngineSettings(
-            **{**fields, "extra_args": tuple(self.extra_args)}, trust_remote_code=trust_remote_code
+            **{**fields, "extra_args": tuple(self.extra_args)},
+            trust_remote_code=trust_remote_code,
+            reasoning_parser=reasoning_parser,
         )
 
     @field_validator("kind")
@@ -568,9 +569,8 @@ class ExperimentConfig(_Section):
     def engine_settings(self) -> EngineSettings:
         """The engine section as the engine modules take it, with the target's trust_remote_code (the
         server loads the target too)."""
-        return replace(
-            self.engine.settings(trust_remote_code=self.target.trust_remote_code),
-            reasoning_parser=self.synthesis.reasoning_parser,
+        return self.engine.settings(
+            trust_remote_code=self.target.trust_remote_code, reasoning_parser=self.synthesis.reasoning_parser
         )
 
     def target_family(self) -> TargetFamily:
