@@ -301,3 +301,24 @@ def test_a_drafter_trained_on_hidden_states_before_the_final_norm_is_named_befor
     cause = json.loads(result.stdout)["cause"]
     assert cause["name"] == "final_norm" and "'before_final_norm'" in cause["explanation"], cause
     assert time.monotonic() - started < 30
+
+
+def test_a_norm_output_reading_that_accepts_clearly_more_is_named() -> None:
+    """A published folder whose config says norm_output true, the engine matching that reading, and the
+    reading without it accepting clearly more: `final_norm`, the fix the flag to set."""
+    from draftloop.infra.evaluation.diagnose import FolderReading, ReadingFigures, find_cause
+
+    engine = get_engine("vllm")
+    folder = FolderReading("/d", "vllm", [1, 3, 5], None, "stated", norm_output=True)
+    readings = readings_of(engine, folder, depth=6)
+    served, flipped = (r for r in readings if r.capture_ids == (1, 3, 5))
+    assert served.engine_reads and served.norm_output is None  # as the config says
+    assert flipped.norm_output is False and flipped.trained and not flipped.engine_reads
+    figures = [ReadingFigures(r, 0.1, 1.3, []) for r in readings if r is not flipped]
+    figures.append(ReadingFigures(flipped, 0.6, 2.8, []))
+    cause = find_cause(engine, folder, figures, engine_rate=0.1, tolerance=0.05)
+    assert cause is not None and cause.name == "final_norm", cause
+    assert (
+        "after its final norm" in cause.explanation
+        and cause.fix == 'set "norm_output": false in /d/config.json'
+    )

@@ -218,14 +218,17 @@ def test_a_published_sglang_folder_on_vllm_is_named_a_convention_fault(
     assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # what it was trained on, for vLLM
 
 
-def test_an_eagle31_field_flipped_in_a_published_folder_is_named_the_final_norm(
+def test_an_eagle31_flag_in_a_published_folder_is_served_as_simulated_and_read_both_ways(
     llama_eval: Any, tmp_path: Path
 ) -> None:
     """EAGLE 3.1's `norm_output` written into a published vLLM folder whose drafter was trained without
-    it: vLLM serves the field (the next step gets the state after the final norm) exactly as the
-    simulator's EAGLE 3.1 reading computes it (engine = simulator), and the reading without it is the one
-    that accepts: the cause named `final_norm`, the fix the flag."""
-    pair = llama_eval[0]
+    it: vLLM serves the field (each next draft step gets the state after the final norm) exactly as the
+    simulator's EAGLE 3.1 reading computes it (engine = simulator), and diagnose reads the folder both
+    ways: without the flag it accepts exactly as the evaluated drafter. On this tiny drafter the flag
+    moves acceptance by less than the cause margin (its next step's hidden_norm undoes the scale), so
+    the verdict stays the evaluation's; the naming when it does not is
+    tests/test_diagnose_cli.py::test_a_norm_output_reading_that_accepts_clearly_more_is_named."""
+    pair, _dir, evaluated, _report = llama_eval
     published = tmp_path / "published-3.1"
     get_engine("vllm").export_drafter(pair.drafter, published)
     config = json.loads((published / "config.json").read_text())
@@ -236,9 +239,13 @@ def test_an_eagle31_field_flipped_in_a_published_folder_is_named_the_final_norm(
     assert diagnosis.folder.norm_output is True
     engine, simulator = diagnosis.engine or {}, diagnosis.simulator or {}
     assert abs(engine["acceptance_rate"] - simulator["acceptance_rate"]) <= TOLERANCE, (engine, simulator)
-    assert diagnosis.verdict == VERDICT_FAULT and diagnosis.cause is not None, diagnosis.reasons
-    assert diagnosis.cause.name == "final_norm", diagnosis.cause
-    assert diagnosis.cause.fix == f'set "norm_output": false in {published}/config.json'
+    served, flipped = [f for f in diagnosis.readings if f.reading.capture_ids == (1, 3, 5)]
+    assert served.reading.engine_reads and served.acceptance_rate == simulator["acceptance_rate"]
+    assert flipped.reading.norm_output is False
+    assert flipped.acceptance_rate == pytest.approx(evaluated.acceptance_rate, abs=1e-9)
+    assert diagnosis.verdict != VERDICT_FAULT, diagnosis.reasons  # consistent: no integration fault
+    assert flipped.acceptance_rate is not None and served.acceptance_rate is not None
+    assert flipped.acceptance_rate - served.acceptance_rate <= 2 * TOLERANCE
 
 
 def test_standard_attention_drafter_on_mla_target_refused_before_startup(
