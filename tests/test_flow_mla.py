@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 OVERRIDES: dict[str, Any] = {
     "data.num_samples": 128,
     "data.eval_prompts": 8,
-    "training.epochs": 4,  # held-out AL ~2 (8 epochs: 2.4); the gate asks 1.5 of the engine's
+    # The shipped 8 epochs of 8-sample steps as 4 epochs of 4-sample ones: as many steps, half the work.
+    "training.epochs": 4,
+    "training.batch_size": 4,
     "evaluation.concurrency": [1],  # the verdict and the registry are the point here, not speedups
     "evaluation.repeats": 1,
 }
