@@ -551,10 +551,10 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
                 f"{_rate(figures.acceptance_rate)}, AL {_rate(figures.mean_acceptance_length)}"
             )
     for level, speedup in diagnosis.speedup.items():
-        interval = speedup.get("interval") or [None, None]
         lines.append(
             f"speedup at concurrency {level}: {_rate(speedup.get('speedup'), 2)}x "
-            f"[{_rate(interval[0], 2)}, {_rate(interval[1], 2)}] {speedup.get('status')}"
+            f"[{_rate(speedup.get('low'), 2)}, {_rate(speedup.get('high'), 2)}] {speedup.get('status')} "
+            f"({speedup.get('method')})"
         )
     if diagnosis.cause is not None:
         lines.append(f"cause: {diagnosis.cause.name}: {diagnosis.cause.explanation}")

@@ -101,7 +101,7 @@ class DiagnoseRequest(BaseModel):
             section = EvaluationConfig(
                 max_tokens=self.max_tokens,
                 concurrency=self.concurrency,
-                repeats=1,
+                repeats=3,  # ABBA pairs with the baseline: a speedup interval, not one ratio
                 warmup_rounds=0,
                 gate=GateConfig(min_acceptance_length=self.min_acceptance_length),
             )
