@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,18 @@ def test_the_diagnose_deployment_has_a_typed_form_and_refuses_a_non_drafter(targ
         diagnose.fn(target=str(target), drafter=str(target))
 
 
+def _named_up_front(target: Path, folder: Path, out: Path) -> dict[str, Any]:
+    """`draftloop diagnose --json` of a pairing that cannot work as served: exit 4 in seconds, from the
+    contract and the folder alone (no server starts in this module)."""
+    started = time.monotonic()
+    args = ["diagnose", "--target", str(target), "--drafter", str(folder), "--json", "--out", str(out)]
+    result = RUNNER.invoke(app, args)
+    assert result.exit_code == 4, result.output
+    assert time.monotonic() - started < 30
+    diagnosis: dict[str, Any] = json.loads(result.stdout)
+    return diagnosis
+
+
 def _saved(drafter: Eagle3Drafter, out: Path) -> Path:
     return get_engine("vllm").export_drafter(drafter, out)
 
@@ -182,25 +195,9 @@ def test_a_drafter_that_cannot_work_as_served_is_named_before_any_server(
         (ids_d2t, "d2t_as_ids", "d2t holds absolute target ids, not offsets"),
     ):
         folder = _saved(drafter, tmp_path / cause)
-        started = time.monotonic()
-        result = RUNNER.invoke(
-            app,
-            [
-                "diagnose",
-                "--target",
-                str(target),
-                "--drafter",
-                str(folder),
-                "--json",
-                "--out",
-                str(tmp_path / "o"),
-            ],
-        )
-        assert result.exit_code == 4, result.output
-        diagnosis = json.loads(result.stdout)
+        diagnosis = _named_up_front(target, folder, tmp_path / "o")
         assert diagnosis["verdict"] == "integration_fault" and diagnosis["cause"]["name"] == cause
         assert words in diagnosis["cause"]["explanation"], diagnosis["cause"]
-        assert time.monotonic() - started < 30
 
 
 def _without_ids(folder: Path, *, keep_record: bool) -> Path:
@@ -225,25 +222,9 @@ def test_a_config_without_layer_ids_is_named_missing_ids_before_any_server(
         folder = _without_ids(
             _saved(_drafter(target), tmp_path / f"record-{keep_record}"), keep_record=keep_record
         )
-        started = time.monotonic()
-        result = RUNNER.invoke(
-            app,
-            [
-                "diagnose",
-                "--target",
-                str(target),
-                "--drafter",
-                str(folder),
-                "--json",
-                "--out",
-                str(tmp_path / "o"),
-            ],
-        )
-        assert result.exit_code == 4, result.output
-        diagnosis = json.loads(result.stdout)
+        diagnosis = _named_up_front(target, folder, tmp_path / "o")
         assert diagnosis["cause"]["name"] == "missing_layer_ids", diagnosis["cause"]
         assert fix in diagnosis["cause"]["fix"]
-        assert time.monotonic() - started < 30
     explanation = diagnosis["cause"]["explanation"]
     assert "no eagle_aux_hidden_state_layer_ids" in explanation
     fixed = tmp_path / "fixed"
@@ -283,24 +264,8 @@ def test_a_drafter_trained_on_hidden_states_before_the_final_norm_is_named_befor
     config = json.loads((folder / "config.json").read_text())
     config["draftloop"]["metadata"]["last_hidden_state"] = "before_final_norm"
     (folder / "config.json").write_text(json.dumps(config))
-    started = time.monotonic()
-    result = RUNNER.invoke(
-        app,
-        [
-            "diagnose",
-            "--target",
-            str(target),
-            "--drafter",
-            str(folder),
-            "--json",
-            "--out",
-            str(tmp_path / "o"),
-        ],
-    )
-    assert result.exit_code == 4, result.output
-    cause = json.loads(result.stdout)["cause"]
+    cause = _named_up_front(target, folder, tmp_path / "o")["cause"]
     assert cause["name"] == "final_norm" and "'before_final_norm'" in cause["explanation"], cause
-    assert time.monotonic() - started < 30
 
 
 def test_a_norm_output_reading_that_accepts_clearly_more_is_named() -> None:

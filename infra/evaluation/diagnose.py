@@ -203,12 +203,9 @@ def readings_of(engine: Engine, folder: FolderReading, depth: int) -> list[Readi
     return readings
 
 
-def _loadable_view(drafter_dir: Path, work: Path, ids: Sequence[int]) -> Path:
-    """The folder with `ids` (layer_input) written into its config, for a config that names none: the
-    simulator needs some ids to build the drafter; each reading feeds it its own layers anyway."""
-    view = work / "drafter-view"
+def _view(drafter_dir: Path, view: Path, config: dict[str, Any]) -> Path:
+    """A folder of `config` beside the drafter's weights (linked): the same drafter, read otherwise."""
     view.mkdir(parents=True, exist_ok=True)
-    config = read_json(drafter_dir / "config.json") | {"eagle_aux_hidden_state_layer_ids": list(ids)}
     (view / "config.json").write_text(json.dumps(config, indent=2))
     for weights in drafter_dir.glob("*.safetensors"):
         target = view / weights.name
@@ -217,12 +214,17 @@ def _loadable_view(drafter_dir: Path, work: Path, ids: Sequence[int]) -> Path:
     return view
 
 
+def _loadable_view(drafter_dir: Path, work: Path, ids: Sequence[int]) -> Path:
+    """The folder with `ids` (layer_input) written into its config, for a config that names none: the
+    simulator needs some ids to build the drafter; each reading feeds it its own layers anyway."""
+    config = read_json(drafter_dir / "config.json") | {"eagle_aux_hidden_state_layer_ids": list(ids)}
+    return _view(drafter_dir, work / "drafter-view", config)
+
+
 def _norm_output_view(drafter_dir: Path, work: Path, ids: Sequence[int], norm_output: bool) -> Path:
     """The folder read as a published vLLM folder whose drafter hands on the state after its final norm
     (`norm_output`) or before it; its ids (layer_input) and other variant fields as the folder's."""
     options = read_drafter_config(drafter_dir, "layer_input").variant_options
-    view = work / f"drafter-view-norm-output-{str(norm_output).lower()}"
-    view.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in read_json(drafter_dir / "config.json").items() if k != "draftloop"}
     config |= {
         "eagle_aux_hidden_state_layer_ids": list(ids),
@@ -230,12 +232,7 @@ def _norm_output_view(drafter_dir: Path, work: Path, ids: Sequence[int], norm_ou
         "norm_before_fc": bool(options.get("norm_before_fc", False)),
         "norm_output": norm_output,
     }
-    (view / "config.json").write_text(json.dumps(config, indent=2))
-    for weights in drafter_dir.glob("*.safetensors"):
-        target = view / weights.name
-        if not target.exists():
-            target.symlink_to(weights.resolve())
-    return view
+    return _view(drafter_dir, work / f"drafter-view-norm-output-{str(norm_output).lower()}", config)
 
 
 def _engine_figures(report: EvalReport) -> dict[str, Any] | None:
