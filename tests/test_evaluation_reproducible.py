@@ -24,7 +24,7 @@ from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.verdict import SPEEDUP_OK, LevelSpeedup
 
 PROMPTS = ["Write a haiku.", "Add 2 and 3.", "Name a colour.", "Count to five."]
-LOAD_SLOPE = 1.0  # per second: every token costs 1 + slope * t times its delay, t since the run began
+LOAD_SLOPE = 0.2  # per second: every token costs 1 + slope * t times its delay, t since the run began
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _evaluations(
     """One evaluation per slope, each under load growing at that slope from its start."""
     load = tmp_path / "load"
     engine = fake_engine(
-        "--token-delay", "0.01", "--spec-token-delay-factor", "0.5", "--load-file", str(load)
+        "--token-delay", "0.03", "--spec-token-delay-factor", "0.5", "--load-file", str(load)
     )  # fmt: skip
     plan = evaluation_plan(
         max_tokens=8, repeats=4, min_seconds=0.2, concurrency=[1, 4], interleave=interleave
