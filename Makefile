@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 SPECULATORS_DIR := .venvs/speculators
 
-.PHONY: setup engine-env peer-libs browser demo test lint clean
+.PHONY: setup engine-env peer-libs browser installs demo test lint clean
 
 $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
@@ -32,7 +32,7 @@ peer-libs: setup $(SPECULATORS_DIR)/.ready
 
 # Debian's chromium for tests/test_browser.py, driven by the `playwright` package of the dev extra.
 # Never `playwright install`: the tests launch /usr/bin/chromium, no browser build is downloaded.
-browser: setup
+browser:
 	@[ -x /usr/bin/chromium ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 demo: setup engine-env
@@ -43,7 +43,13 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy draftloop kernels infra tasks flows
 
-test: setup engine-env peer-libs browser lint
+# The three installs (two Python environments, Debian's chromium) share nothing: side by side they take
+# the time of the longest instead of the sum (minutes of CI on a new machine).
+installs:
+	@$(MAKE) --no-print-directory -j3 setup engine-env browser
+	@$(MAKE) --no-print-directory -j2 peer-libs lint
+
+test: installs
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 clean:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,9 +29,23 @@ from .drafter import DrafterConfig, Eagle3Drafter
 from .files import DrafterFormatError, check_safetensors_file, read_json, vocab_mapping_problem
 from .layer_ids import Convention, LayerIds, normalize_convention
 from .shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
-from .variants.base import SPECULATORS_VARIANT_FIELDS, UnsupportedVariantError, variant_for_published
+from .variants.base import (
+    SPECULATORS_VARIANT_FIELDS,
+    UnsupportedVariantError,
+    get_variant,
+    variant_for_published,
+)
 
-__all__ = ["LayerIdExportError", "layer_config", "load_drafter", "read_drafter_config", "save_drafter"]
+__all__ = [
+    "DrafterKind",
+    "LayerIdExportError",
+    "layer_config",
+    "load_drafter",
+    "read_drafter_config",
+    "save_drafter",
+    "served_drafter_kind",
+    "trained_drafter_kind",
+]
 
 FORMAT_VERSION = 1
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -200,6 +215,40 @@ def _published_variant_fields(data: Mapping[str, Any], speculators: bool) -> dic
     if not speculators and isinstance(eagle_config, Mapping) and "norm_before_fc" in eagle_config:
         fields["norm_before_fc"] = bool(eagle_config["norm_before_fc"])
     return fields
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """A drafter variant and its options, e.g. eagle3.1 {fc_norm: true, norm_before_fc: false, ...}."""
+
+    variant: str
+    options: dict[str, Any]
+
+    def __str__(self) -> str:
+        on = [name for name, value in sorted(self.options.items()) if value]
+        return self.variant + (f" ({', '.join(on)})" if on else "")
+
+
+def served_drafter_kind(data: Mapping[str, Any]) -> DrafterKind:
+    """The layer an engine computes from a drafter config.json's own fields (vLLM's reading; the
+    draftloop block is never read by an engine). Refused (UnsupportedVariantError) when no variant does."""
+    speculators = data.get("speculators_model_type") == "eagle3"
+    found, options = variant_for_published(_published_variant_fields(data, speculators))
+    return DrafterKind(found.name, dict(options))
+
+
+def trained_drafter_kind(data: Mapping[str, Any]) -> DrafterKind | None:
+    """The layer a draftloop folder was trained as (its draftloop block); None for a published folder."""
+    block = data.get("draftloop")
+    if not isinstance(block, Mapping) or not isinstance(block.get("drafter_config"), Mapping):
+        return None
+    config = block["drafter_config"]
+    variant = str(config.get("variant", "eagle3"))
+    try:
+        options = get_variant(variant).resolve_options(config.get("variant_options") or {})
+    except UnsupportedVariantError:
+        return DrafterKind(variant, dict(config.get("variant_options") or {}))
+    return DrafterKind(variant, options)
 
 
 def _config_from_native(data: dict[str, Any], path: Path, convention: str | None) -> DrafterConfig:

@@ -286,10 +286,24 @@ def greedy_samples(
     return capture_samples(target, greedy_answers(target, tokenizer, prompts, max_new_tokens), layer_ids)
 
 
-def train_pair(recipe: str, target_dir: Path) -> TrainedPair:
+def trained_drafter(
+    target: Any, layer_ids: Any, samples: list[dict[str, torch.Tensor]], **config: Any
+) -> Any:
+    """A drafter for `target` (DrafterConfig fields in `config`, e.g. variant="eagle3.1") trained on
+    `samples` with the pairs' settings."""
     from draftloop.kernels.data import InMemorySamples
     from draftloop.kernels.train import TrainConfig, train_drafter
 
+    drafter = untrained_drafter(target, layer_ids, **config)
+    drafter.init_from_target_head(target.get_output_embeddings().weight, target.model.norm.weight)
+    settings = TrainConfig(
+        ttt_length=TRAIN_TTT_LENGTH, epochs=TRAIN_EPOCHS, batch_size=8, lr=TRAIN_LR, show_progress=False
+    )
+    train_drafter(drafter, InMemorySamples(samples), target.get_output_embeddings().weight, settings)
+    return drafter.eval()
+
+
+def train_pair(recipe: str, target_dir: Path) -> TrainedPair:
     timings: dict[str, float] = {}
     target, tokenizer = load_target(target_dir)
     prompts = builtin_prompts()
@@ -301,20 +315,15 @@ def train_pair(recipe: str, target_dir: Path) -> TrainedPair:
     timings["data_s"] = time.perf_counter() - started
 
     untrained = untrained_drafter(target, layer_ids)
-    drafter = untrained_drafter(target, layer_ids)
-    drafter.init_from_target_head(target.get_output_embeddings().weight, target.model.norm.weight)
     started = time.perf_counter()
-    config = TrainConfig(
-        ttt_length=TRAIN_TTT_LENGTH, epochs=TRAIN_EPOCHS, batch_size=8, lr=TRAIN_LR, show_progress=False
-    )
-    train_drafter(drafter, InMemorySamples(samples), target.get_output_embeddings().weight, config)
+    drafter = trained_drafter(target, layer_ids, samples)
     timings["train_s"] = time.perf_counter() - started
     return TrainedPair(
         recipe=recipe,
         target_dir=target_dir,
         target=target,
         tokenizer=tokenizer,
-        drafter=drafter.eval(),
+        drafter=drafter,
         untrained=untrained,
         held_out_prompts=held_out,
         train_samples=samples,

@@ -8,6 +8,7 @@ The MLA pair (tiny-deepseek, served in bf16) is evaluated through the product's 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,8 @@ from fixtures_engine import (
     shift_exported_layer_ids,
     vllm_settings,
 )
+from fixtures_kernels import trained_drafter
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
@@ -36,8 +39,10 @@ from draftloop.infra.evaluation.report import EvalReport
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures, encode_prompts
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT
+from draftloop.kernels.checkpoint import load_drafter
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
 from draftloop.kernels.families.base import get_family
+from draftloop.kernels.files import DrafterFormatError
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.simulate import simulate_acceptance
 
@@ -218,34 +223,83 @@ def test_a_published_sglang_folder_on_vllm_is_named_a_convention_fault(
     assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # what it was trained on, for vLLM
 
 
-def test_an_eagle31_flag_in_a_published_folder_is_served_as_simulated_and_read_both_ways(
-    llama_eval: Any, tmp_path: Path
-) -> None:
-    """EAGLE 3.1's `norm_output` written into a published vLLM folder whose drafter was trained without
-    it: vLLM serves the field (each next draft step gets the state after the final norm) exactly as the
-    simulator's EAGLE 3.1 reading computes it (engine = simulator), and diagnose reads the folder both
-    ways: without the flag it accepts exactly as the evaluated drafter. On this tiny drafter the flag
-    moves acceptance by less than the cause margin (its next step's hidden_norm undoes the scale), so
-    the verdict stays the evaluation's; the naming when it does not is
-    tests/test_diagnose_cli.py::test_a_norm_output_reading_that_accepts_clearly_more_is_named."""
-    pair, _dir, evaluated, _report = llama_eval
-    published = tmp_path / "published-3.1"
-    get_engine("vllm").export_drafter(pair.drafter, published)
+@pytest.fixture(scope="module")
+def published_eagle31(llama_eval: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """An EAGLE 3.1 drafter (fc_norm + norm_output, the published layer) trained on the pair's samples,
+    written as a published vLLM folder: the vLLM field names, no draftloop block."""
+    pair = llama_eval[0]
+    drafter = trained_drafter(
+        pair.target, pair.drafter.config.aux_layer_ids, pair.train_samples, variant="eagle3.1"
+    )
+    published = tmp_path_factory.mktemp("published-3.1") / "drafter"
+    get_engine("vllm").export_drafter(drafter, published)
     config = json.loads((published / "config.json").read_text())
     del config["draftloop"]
-    config |= {"fc_norm": False, "norm_before_fc": False, "norm_output": True}
     (published / "config.json").write_text(json.dumps(config))
+    return drafter, published
+
+
+def _with_fields(folder: Path, out: Path, **fields: bool) -> Path:
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **fields}))
+    return out
+
+
+def test_a_published_eagle31_folder_loads_simulates_and_is_served_as_simulated(
+    llama_eval: Any, published_eagle31: tuple[Any, Path], tmp_path: Path
+) -> None:
+    """The folder's fields as vLLM names them pick the EAGLE 3.1 layer on both sides: load_drafter
+    computes what was trained, and vLLM serves it with the simulator's acceptance (and diagnose reads
+    norm_output the other way too: that reading accepts far less)."""
+    trained, published = published_eagle31
+    config = json.loads((published / "config.json").read_text())
+    assert {name: config[name] for name in ("fc_norm", "norm_before_fc", "norm_output")} == {
+        "fc_norm": True, "norm_before_fc": False, "norm_output": True
+    }  # fmt: skip
+    with safe_open(str(published / "model.safetensors"), "pt") as weights:
+        assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(weights.keys())
+    loaded = load_drafter(published, convention="layer_input")
+    assert (
+        loaded.config.variant == "eagle3.1"
+        and loaded.config.variant_options == trained.config.variant_options
+    )
+    for name, tensor in trained.weights_state_dict().items():
+        assert torch.equal(loaded.weights_state_dict()[name], tensor), name
+
     diagnosis = _diagnose(llama_eval, published, tmp_path / "eval")
     assert diagnosis.folder.norm_output is True
     engine, simulator = diagnosis.engine or {}, diagnosis.simulator or {}
+    assert simulator["acceptance_rate"] > 0.5, simulator  # a trained drafter, not noise matching noise
     assert abs(engine["acceptance_rate"] - simulator["acceptance_rate"]) <= TOLERANCE, (engine, simulator)
+    assert diagnosis.verdict != VERDICT_FAULT and diagnosis.cause is None, diagnosis.reasons
     served, flipped = [f for f in diagnosis.readings if f.reading.capture_ids == (1, 3, 5)]
     assert served.reading.engine_reads and served.acceptance_rate == simulator["acceptance_rate"]
     assert flipped.reading.norm_output is False
-    assert flipped.acceptance_rate == pytest.approx(evaluated.acceptance_rate, abs=1e-9)
-    assert diagnosis.verdict != VERDICT_FAULT, diagnosis.reasons  # consistent: no integration fault
-    assert flipped.acceptance_rate is not None and served.acceptance_rate is not None
-    assert flipped.acceptance_rate - served.acceptance_rate <= 2 * TOLERANCE
+    assert (
+        flipped.acceptance_rate is not None
+        and flipped.acceptance_rate < served.acceptance_rate - 2 * TOLERANCE
+    )
+
+
+def test_a_published_eagle31_folder_with_a_flag_flipped_is_an_integration_fault(
+    llama_eval: Any, published_eagle31: tuple[Any, Path], tmp_path: Path
+) -> None:
+    """norm_output flipped in config.json: vLLM serves another layer than was trained, and acceptance
+    falls; diagnose names the flag (the reading with it on accepts clearly more), with the fix. fc_norm
+    flipped leaves weights no layer reads: refused by name before anything runs."""
+    _trained, published = published_eagle31
+    flipped = _with_fields(published, tmp_path / "norm-output-off", norm_output=False)
+    diagnosis = _diagnose(llama_eval, flipped, tmp_path / "eval")
+    assert diagnosis.verdict == VERDICT_FAULT, diagnosis.reasons
+    assert diagnosis.cause is not None and diagnosis.cause.name == "final_norm", diagnosis.cause
+    assert diagnosis.cause.fix == f'set "norm_output": true in {flipped.resolve()}/config.json'
+    engine, simulator = diagnosis.engine or {}, diagnosis.simulator or {}
+    assert abs(engine["acceptance_rate"] - simulator["acceptance_rate"]) <= TOLERANCE  # served as read
+
+    no_fc_norm = _with_fields(published, tmp_path / "fc-norm-off", fc_norm=False)
+    with pytest.raises(DrafterFormatError, match=r"unexpected tensors.*fc_norm\.0\.weight"):
+        load_drafter(no_fc_norm, convention="layer_input")
 
 
 def test_standard_attention_drafter_on_mla_target_refused_before_startup(

@@ -21,7 +21,9 @@ from draftloop.infra.evaluation.verdict import (
     VERDICT_WEAK,
     compare_acceptance,
     decide_verdict,
+    exported_drafter_mismatch,
     exported_layer_id_mismatch,
+    exported_variant_mismatch,
     numeric_tie_at_divergence,
 )
 from draftloop.kernels.counters import SpecCounters
@@ -57,7 +59,7 @@ def test_verdicts_separate_integration_faults_from_weak_drafters() -> None:
     assert verdict == VERDICT_FAULT
     verdict, reasons = decide_verdict(
         engine_rate=0.4, simulator_rate=0.4, lossless=True, mean_acceptance_length=2.2,
-        layer_id_mismatch="trained on layer_input [1, 3, 5]", **common,
+        export_mismatch="trained on layer_input [1, 3, 5]", **common,
     )  # fmt: skip
     assert verdict == VERDICT_FAULT and "trained on" in reasons[0]
 
@@ -71,7 +73,7 @@ def test_a_gap_the_simulator_could_not_measure_in_the_engines_mode_is_named_not_
     assert verdict == VERDICT_MODE_MISMATCH and "fp8" in reasons[0] and "0.410" in reasons[0]
     # A real fault stays a fault whatever the modes.
     verdict, reasons = decide_verdict(
-        engine_rate=0.41, simulator_rate=0.50, lossless=True, layer_id_mismatch="trained on [1, 3, 5]",
+        engine_rate=0.41, simulator_rate=0.50, lossless=True, export_mismatch="trained on [1, 3, 5]",
         numeric_mode_mismatch="dtype fp8 (engine) vs float32 (simulator)", **common,
     )  # fmt: skip
     assert verdict == VERDICT_FAULT and reasons == ["trained on [1, 3, 5]"]
@@ -205,6 +207,37 @@ def test_exported_ids_that_differ_from_the_trained_ones_are_detected(tmp_path: P
     assert exported_layer_id_mismatch(sglang, bad) is None  # the same ids are right for SGLang
     published = write_config(tmp_path / "pub", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
     assert exported_layer_id_mismatch(vllm, published) is None  # no training record to compare with
+
+
+def test_exported_variant_fields_that_differ_from_the_trained_layer_are_detected(tmp_path: Path) -> None:
+    """An EAGLE 3.1 drafter whose exported config.json lost or flipped a variant field: the engine would
+    compute another layer than was trained (the simulator reads the record): an integration fault."""
+    trained = {"variant": "eagle3.1", "variant_options": {"fc_norm": True, "norm_output": True}}
+    record = {
+        "draftloop": {
+            "aux_layer_ids": [1, 3, 5],
+            "aux_layer_ids_convention": "layer_input",
+            "drafter_config": trained,
+        }
+    }
+    ids = {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}
+    fields = {"fc_norm": True, "norm_before_fc": False, "norm_output": True}
+    good = write_config(tmp_path / "good", {**ids, **fields, **record})
+    assert exported_variant_mismatch(good) is None
+    flipped = write_config(tmp_path / "flipped", {**ids, **fields, "norm_output": False, **record})
+    reason = exported_variant_mismatch(flipped)
+    assert (
+        reason is not None and "norm_output: false" in reason and "eagle3.1 (fc_norm, norm_output)" in reason
+    )
+    lost = write_config(tmp_path / "lost", {**ids, **record})  # no variant fields: plain EAGLE-3 served
+    reason = exported_variant_mismatch(lost)
+    assert reason is not None and "as eagle3," in reason and "fc_norm: false" in reason
+    # Both export checks in one reason: ids off by one and the variant lost.
+    both = write_config(tmp_path / "both", {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], **record})
+    joined = exported_drafter_mismatch(get_engine("vllm"), both)
+    assert joined is not None and "[0, 2, 4]" in joined and "fc_norm: false" in joined
+    published = write_config(tmp_path / "pub", {**ids, "norm_output": True})
+    assert exported_variant_mismatch(published) is None  # no training record to compare with
 
 
 def test_numeric_tie_excuses_only_near_ties_at_the_first_divergence() -> None:

@@ -144,7 +144,7 @@ def judge(
         lossless=not mismatched,
         mean_acceptance_length=acceptance.get("mean_acceptance_length") if acceptance else None,
         min_acceptance_length=plan.min_acceptance_length,
-        layer_id_mismatch=measured.layer_id_mismatch,
+        export_mismatch=measured.export_mismatch,
         numeric_mode_mismatch=measured.mode_mismatch,
         comparable=comparison.comparable,
     )

@@ -33,7 +33,7 @@ from draftloop.infra.evaluation.simulator import (
     run_simulator,
     simulator_numeric_mode,
 )
-from draftloop.infra.evaluation.verdict import exported_layer_id_mismatch
+from draftloop.infra.evaluation.verdict import exported_drafter_mismatch
 from draftloop.kernels.families.base import family_for_config
 
 
@@ -49,7 +49,7 @@ class Measurements:
     engine_mode: NumericMode
     simulator_mode: NumericMode
     mode_mismatch: str | None  # what the simulator run here does not reproduce of the engine's mode
-    layer_id_mismatch: str | None  # the engine reads other layer ids than the drafter was trained on
+    export_mismatch: str | None  # the engine reads other layer ids or variant fields than were trained
     # Per k served in turns with a baseline server (plan.benchmark.interleave): that baseline's run.
     paired_baselines: dict[int, ServerRun] = field(default_factory=dict)
 
@@ -140,7 +140,7 @@ def measure(
     engine_mode = engine_numeric_mode(engine.settings, target_dir, attention)
     simulator_mode = simulator_numeric_mode(engine_mode, attention)
 
-    layer_id_mismatch = exported_layer_id_mismatch(engine, drafter_dir)
+    export_mismatch = exported_drafter_mismatch(engine, drafter_dir)
     runs: dict[int, ServerRun] = {}
     paired: dict[int, ServerRun] = {}  # interleaved: the baseline each k's server took turns with
     for value in ks:
@@ -155,13 +155,13 @@ def measure(
                     start, plan.server_name(value), speculation, engine, prompt_ids, plan
                 )
         except EngineError as error:
-            if layer_id_mismatch is None:
+            if export_mismatch is None:
                 raise
             # The engine could not run the drafter with the ids it was given (vLLM's DeepSeek-V2 model
             # has no residual to capture before layer 0): the export is the cause, so say that first.
             raise EngineConfigError(
                 str(drafter_dir / "config.json"),
-                f"integration fault: {layer_id_mismatch}; the speculative server failed with them: {error}",
+                f"integration fault: {export_mismatch}; the speculative server failed with them: {error}",
             ) from error
     if baseline is None:
         baseline = paired[k]
@@ -200,6 +200,6 @@ def measure(
         engine_mode=engine_mode,
         simulator_mode=simulator_mode,
         mode_mismatch=mismatch,
-        layer_id_mismatch=layer_id_mismatch,
+        export_mismatch=export_mismatch,
         paired_baselines=paired,
     )

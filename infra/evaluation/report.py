@@ -8,12 +8,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftloop.infra.engines.base import Engine
+from draftloop.infra.engines.base import Engine, read_json
 from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.judge import Judgement, KSweepEntry
 from draftloop.infra.evaluation.measure import Measurements
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.verdict import LevelSpeedup
+from draftloop.kernels.checkpoint import served_drafter_kind, trained_drafter_kind
+from draftloop.kernels.variants.base import UnsupportedVariantError
 
 
 @dataclass
@@ -56,6 +58,9 @@ class EvalReport:
     recommended_k: dict[int, int | None] = field(default_factory=dict)  # per concurrency
     # category -> {prompts, simulator: {acceptance_rate, mean_acceptance_length}, engine: same or None}
     category_acceptance: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The drafter's layer as trained (its record; else as the engine reads it), e.g. "eagle3.1 (fc_norm,
+    # norm_output)": what the verdict, the registry card and the MLflow model name.
+    drafter_variant: str = "eagle3"
 
     @property
     def consistent(self) -> bool | None:
@@ -138,4 +143,16 @@ def make_report(
         recommended_k=judged.recommended_k,
         serving_k=judged.serving_k,
         category_acceptance=judged.category_acceptance,
+        drafter_variant=drafter_variant(drafter_dir),
     )
+
+
+def drafter_variant(drafter_dir: Path) -> str:
+    """The drafter's variant as trained (its draftloop record), else as an engine reads its fields."""
+    config = read_json(Path(drafter_dir) / "config.json")
+    kind = trained_drafter_kind(config)
+    try:
+        return str(kind or served_drafter_kind(config))
+    except UnsupportedVariantError as error:
+        return f"unknown ({error})"
+

@@ -24,6 +24,8 @@ from typing import Any
 from draftloop.infra.engines.base import Engine, read_json, stored_layer_ids
 from draftloop.infra.evaluation.benchmark import ConcurrencyResult, ServerRun
 from draftloop.infra.evaluation.simulator import SimulatorFigures
+from draftloop.kernels.checkpoint import served_drafter_kind, trained_drafter_kind
+from draftloop.kernels.variants.base import UnsupportedVariantError
 
 VERDICT_OK = "ok"
 VERDICT_WEAK = "weak_drafter"
@@ -217,6 +219,48 @@ def exported_layer_id_mismatch(engine: Engine, drafter_dir: Path) -> str | None:
     )
 
 
+def exported_variant_mismatch(drafter_dir: Path) -> str | None:
+    """A reason when the layer the engine computes from the drafter's config fields (fc_norm,
+    norm_before_fc, norm_output: kernels/variants/) is not the one the drafter was trained as (its
+    `draftloop` block); None when they agree or the folder carries no training record."""
+    path = Path(drafter_dir) / "config.json"
+    config = read_json(path)
+    trained = trained_drafter_kind(config)
+    if trained is None:
+        return None
+    try:
+        served = served_drafter_kind(config)
+    except UnsupportedVariantError as error:
+        return f"{path}: the drafter was trained as {trained}, but {error}"
+    if served == trained:
+        return None
+    flipped = sorted(
+        name
+        for name in set(served.options) | set(trained.options)
+        if bool(served.options.get(name)) != bool(trained.options.get(name))
+    )
+    return f"{path} makes the engine run the drafter as {served}, but it was trained as {trained}" + (
+        f" ({', '.join(f'{name}: {str(bool(served.options.get(name))).lower()}' for name in flipped)} "
+        "in config.json; variant fields lost or flipped at export?)"
+        if flipped
+        else ""
+    )
+
+
+def exported_drafter_mismatch(engine: Engine, drafter_dir: Path) -> str | None:
+    """What the engine will read from an exported drafter that it was not trained on: layer ids or the
+    layer's variant fields (None: it reads what was trained, or the folder has no training record)."""
+    reasons = [
+        reason
+        for reason in (
+            exported_layer_id_mismatch(engine, drafter_dir),
+            exported_variant_mismatch(drafter_dir),
+        )
+        if reason
+    ]
+    return "; ".join(reasons) or None
+
+
 def decide_verdict(
     *,
     engine_rate: float | None,
@@ -225,7 +269,7 @@ def decide_verdict(
     lossless: bool,
     mean_acceptance_length: float | None,
     min_acceptance_length: float | None,
-    layer_id_mismatch: str | None = None,
+    export_mismatch: str | None = None,
     numeric_mode_mismatch: str | None = None,
     comparable: bool = True,
 ) -> tuple[str, list[str]]:
@@ -235,8 +279,8 @@ def decide_verdict(
     False when they were measured on different texts.
     """
     faults: list[str] = []
-    if layer_id_mismatch:
-        faults.append(layer_id_mismatch)
+    if export_mismatch:
+        faults.append(export_mismatch)
     if engine_rate is None:
         faults.append("the speculative server reported no drafts (speculation not running)")
     if not lossless:
