@@ -52,6 +52,7 @@ def produce(request: StageRequest) -> Manifest:
         aux_layer_ids=trained.aux_layer_ids,
         layer_id_convention="layer_input",
         convention_exported=trained.convention_exported or str(config.engine.kind),
+        variant=str(config.training.drafter),
         hashes={
             "data_hash": conversations.manifest.content_hash(),
             # a pipeline without stored hidden states (online training) has no extract manifest

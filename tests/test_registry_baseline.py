@@ -58,8 +58,17 @@ def test_an_external_baseline_is_listed_and_a_gate_can_require_beating_it(
     baseline = register_external(tracker, NAME, _diagnosis(published, 2.40), "vllm", 3, alias="baseline")
     client = tracker.client
     version = client.get_model_version(NAME, baseline.version)
-    assert version.tags["external"] == "true" and version.tags["source"] == str(published)
-    assert version.tags["mean_acceptance_length"] == "2.400" and version.tags["verdict"] == "ok"
+    assert version.tags == {
+        "engine": "vllm",
+        "AL": "2.40",
+        "speedup_c1": "1.25x",
+        "gate": "external baseline",
+        "target": "",
+        "variant": "unknown",
+    }
+    assert version.description.startswith("AL 2.40 · 1.25x @ c=1 · vLLM · external baseline: ok")
+    logged = client.get_logged_model(baseline.model_id).tags
+    assert logged["external"] == "true" and logged["source"] == str(published) and logged["verdict"] == "ok"
     assert str(client.get_model_version_by_alias(NAME, "baseline").version) == baseline.version
     figures = version_figures(client, NAME, "baseline")
     assert (
@@ -69,8 +78,10 @@ def test_an_external_baseline_is_listed_and_a_gate_can_require_beating_it(
     gate = GateConfig(min_acceptance_length=1.5, beat="baseline")
     weaker = _trained(tracker, tmp_path, 2.10, "weaker", gate)
     assert not weaker.champion  # type: ignore[attr-defined]
-    rejected = client.get_model_version(NAME, weaker.version).tags["rejected"]  # type: ignore[attr-defined]
-    assert "does not beat 'baseline'" in rejected and "2.40" in rejected, rejected
+    rejected = client.get_model_version(NAME, weaker.version)  # type: ignore[attr-defined]
+    assert rejected.tags["gate"] == "rejected"
+    reason = rejected.description.splitlines()[0]
+    assert "does not beat 'baseline'" in reason and "2.40" in reason, reason
     better = _trained(tracker, tmp_path, 2.70, "better", gate)
     assert better.champion  # type: ignore[attr-defined]
     assert str(client.get_model_version_by_alias(NAME, CHAMPION_ALIAS).version) == better.version  # type: ignore[attr-defined]

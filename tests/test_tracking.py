@@ -71,9 +71,10 @@ def test_gate_promotes_passing_and_rejects_failing_drafters(tracker: Tracker, tm
     version = client.get_model_version(name, first.version)  # type: ignore[attr-defined]
     assert "| mean acceptance length | 2.200 tokens/step |" in version.description
     assert "| speedup @ concurrency 1 | 0.800x" in version.description
-    assert version.tags["data_hash"] == "trained"
-    # The registered source is the logged model (MLmodel + the drafter folder), and it downloads.
+    # The registered source is the logged model (MLmodel + the drafter folder), and it downloads; it
+    # keeps the card's facts (the version keeps six short tags).
     logged = client.get_logged_model(first.model_id)  # type: ignore[attr-defined]
+    assert logged.tags["data_hash"] == "trained" and "data_hash" not in version.tags
     assert json.loads(logged.tags["mlflow.modelVersions"]) == [{"name": name, "version": first.version}]  # type: ignore[attr-defined]
     assert version.source == logged.artifact_location
     local = Path(
@@ -87,13 +88,17 @@ def test_gate_promotes_passing_and_rejects_failing_drafters(tracker: Tracker, tm
     untrained = _register(tracker, tmp_path, name, _results(1.02), "untrained")
     assert not untrained.champion  # type: ignore[attr-defined]
     rejected = client.get_model_version(name, untrained.version)  # type: ignore[attr-defined]
-    assert "min_acceptance_length" in rejected.tags["rejected"]
+    assert rejected.tags["gate"] == "rejected" and rejected.tags["AL"] == "1.02"
+    assert "min_acceptance_length" in rejected.description.splitlines()[0]
+    reasons = client.get_logged_model(untrained.model_id).tags["gate_reasons"]  # type: ignore[attr-defined]
+    assert "min_acceptance_length" in reasons
     assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == first.version  # type: ignore[attr-defined]
 
     # Above the threshold but below the champion: beat_champion rejects it.
     weaker = _register(tracker, tmp_path, name, _results(1.9), "weaker")
     assert not weaker.champion  # type: ignore[attr-defined]
-    assert "champion" in client.get_model_version(name, weaker.version).tags["rejected"]  # type: ignore[attr-defined]
+    weaker_line = client.get_model_version(name, weaker.version).description.splitlines()[0]  # type: ignore[attr-defined]
+    assert "does not beat champion v1's 2.20" in weaker_line and "AL 1.90 vs 2.20" in weaker_line
 
     # Inconsistent engine vs simulator: an integration fault, never promoted.
     faulty = _register(tracker, tmp_path, name, _results(3.0, consistent=False), "faulty")
@@ -166,6 +171,8 @@ def test_cycle_results_are_frozen_and_read_back_from_their_json_shape() -> None:
         "lossless",
         "speedup_status",
         "recommended_k",
+        "compared_engine_acceptance_rate",
+        "simulator_unweighted_acceptance_rate",
     ]
     assert shape["speedup"] == {"1": 0.8, "4": 0.8 * 0.9}  # JSON object keys: concurrency as text
     stored = json.loads(json.dumps(shape))

@@ -16,6 +16,8 @@ def cycle_results(report: EvalReport) -> CycleResults:
     tolerance (the plan's)."""
     acceptance = report.engine_acceptance or {}
     simulator = report.simulator or {}
+    compared = report.consistency or {}  # verdict.AcceptanceComparison.to_json()
+    unweighted = simulator.get("acceptance_rate")
     return CycleResults(
         acceptance_rate=acceptance.get("acceptance_rate"),
         mean_acceptance_length=acceptance.get("mean_acceptance_length"),
@@ -24,7 +26,9 @@ def cycle_results(report: EvalReport) -> CycleResults:
         throughput={
             int(level.concurrency): float(level.output_tokens_per_s) for level in report.speculative.levels
         },
-        simulator_acceptance_rate=simulator.get("acceptance_rate"),
+        # The simulator on the engine's prompt mix, as the consistency check compares it (its unweighted
+        # rate only when nothing was compared).
+        simulator_acceptance_rate=compared.get("simulator_rate", unweighted),
         consistent=report.consistent,
         lossless=bool(report.lossless),
         speedup_status={
@@ -34,6 +38,8 @@ def cycle_results(report: EvalReport) -> CycleResults:
             for level in report.speedup_levels
         },
         recommended_k=report.serving_k,
+        compared_engine_acceptance_rate=compared.get("engine_rate"),
+        simulator_unweighted_acceptance_rate=unweighted,
     )
 
 

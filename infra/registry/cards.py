@@ -1,14 +1,16 @@
-"""What people read about a drafter in MLflow's registry: its card, the tags of a version, the one-line
-verdict, the description table and the registered model's leaderboard.
+"""What people read about a drafter in MLflow's registry: its card, the six tags of a version, the
+one-line verdict, the description table and the registered model's leaderboard.
 
-All of it is prose built from `CycleResults`, `GateDecision` and the champion's figures (gate.py); the
-leaderboard is rebuilt from the versions' tags, so it never disagrees with them.
+A version's row shows six short tags (`version_tags`): engine, AL, speedup @ c=1, gate, target, variant.
+Everything else the card knows (engine version, layer ids and their convention, content hashes), the
+gate's reasons and the results themselves live on the version's logged model (`model_tags`, and its
+MLmodel, models.py), where the gate and the leaderboard read them back (gate.read_version). All of it is
+prose built from `CycleResults`, `GateDecision` and the champion's figures (gate.py).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,16 +19,19 @@ from mlflow.tracking import MlflowClient
 
 from draftloop.infra.registry.figures import format_figure, format_percent
 from draftloop.infra.registry.gate import (
+    RESULTS_TAG,
     ChampionFigures,
     CycleResults,
     GateDecision,
+    VersionRecord,
     current_champion,
-    tag_float,
+    read_version,
 )
 
 # How the registry names an engine kind for people (the kind itself stays the `engine` tag).
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-SHORT_HASH = 12  # characters of a content hash shown in tags
+SHORT_HASH = 12  # characters of a content hash shown on the logged model
+MAX_VERSION_TAGS = 6  # what MLflow's versions list shows of a row without cutting it off
 
 
 def engine_label(kind: str, version: str | None) -> str:
@@ -52,78 +57,111 @@ class DrafterCard:
     layer_id_convention: str  # how `aux_layer_ids` are counted (DESIGN.md, "Layer ids")
     convention_exported: str  # the engine whose convention the exported config follows
     hashes: Mapping[str, str] = field(default_factory=dict)  # {"data_hash": sha256, ...}
+    variant: str = "eagle3"  # the drafter variant (training.drafter: eagle3, eagle3.1)
 
     @property
     def engine_label(self) -> str:
         return engine_label(self.engine, self.engine_version)
 
     def tags(self) -> dict[str, str]:
+        """Everything the card knows, as the logged model's tags (not the version's: version_tags)."""
         return {
             "target": self.target,
             "engine": self.engine,
             "engine_version": self.engine_version,
+            "variant": self.variant,
             "aux_layer_ids": json.dumps(self.aux_layer_ids),
             "layer_id_convention": self.layer_id_convention,
             "convention_exported": self.convention_exported,
             **{key: value[:SHORT_HASH] for key, value in self.hashes.items()},
         }
 
+    def provenance_rows(self) -> list[tuple[str, str]]:
+        """The card's facts as description rows (what the version's tags leave out)."""
+        ids = "-" if self.aux_layer_ids is None else json.dumps(self.aux_layer_ids)
+        rows = [
+            ("drafter", f"{self.variant}, aux layers {ids} ({self.layer_id_convention}), "
+                        f"exported for {self.convention_exported}"),
+        ]  # fmt: skip
+        if self.hashes:
+            hashes = ", ".join(f"{key} {value[:SHORT_HASH]}" for key, value in self.hashes.items())
+            rows.append(("content hashes", hashes))
+        return rows
 
-def result_tags(results: CycleResults) -> dict[str, str]:
-    """The figures a version carries as tags, rounded; the leaderboard is rebuilt from them."""
-    tags = {
-        "mean_acceptance_length": format_figure(results.mean_acceptance_length),
-        "acceptance_rate": format_figure(results.acceptance_rate),
+
+def speedup_text(results: CycleResults, concurrency: int = 1) -> str:
+    """`0.77x`, `0.77x (inconclusive)` (a flagged figure), `n/a`."""
+    speedup = results.speedup.get(concurrency)
+    if speedup is None:
+        return "n/a"
+    status = results.speedup_status.get(concurrency, "ok")
+    return f"{speedup:.2f}x" + ("" if status == "ok" else f" ({status.split(':')[0]})")
+
+
+def version_tags(card: DrafterCard, results: CycleResults, gate: str) -> dict[str, str]:
+    """The version's row: engine, AL, speedup @ c=1, gate, target, variant (MAX_VERSION_TAGS, short)."""
+    return {
+        "engine": card.engine,
+        "AL": format_figure(results.mean_acceptance_length, 2),
+        "speedup_c1": speedup_text(results),
+        "gate": gate,
+        "target": card.target,
+        "variant": card.variant,
     }
-    for concurrency, speedup in sorted(results.speedup.items()):
-        tags[f"speedup_c{concurrency}"] = format_figure(speedup)
-        status = results.speedup_status.get(concurrency, "ok")
-        if status != "ok":
-            tags[f"speedup_c{concurrency}_status"] = status.split(":")[0]
+
+
+def model_tags(results: CycleResults, decision: GateDecision | None = None) -> dict[str, str]:
+    """What the logged model keeps beyond the card: the results whole (gate.read_version reads them) and
+    the gate's decision."""
+    tags = {RESULTS_TAG: json.dumps(results.to_dict(), sort_keys=True)}
     if results.recommended_k is not None:
         tags["num_speculative_tokens"] = str(results.recommended_k)
+    if decision is not None:
+        tags["gate"] = "passed" if decision.passed else "rejected"
+        if decision.reasons:
+            tags["gate_reasons"] = "; ".join(decision.reasons)
+        if decision.notes:
+            tags["gate_notes"] = "; ".join(decision.notes)
     return tags
 
 
-def _speedup_phrase(results: CycleResults, concurrency: int = 1) -> str:
-    speedup = results.speedup.get(concurrency)
-    if speedup is None:
-        return f"speedup n/a @ c={concurrency}"
-    status = results.speedup_status.get(concurrency, "ok")
-    flag = "" if status == "ok" else f" ({status.split(':')[0]})"
-    return f"speedup {speedup:.2f}x{flag} @ c={concurrency}"
-
-
-def _comparison(results: CycleResults, passed: bool, champion: ChampionFigures | None) -> str:
-    """How the version stands against the champion it was gated against, from its own viewpoint."""
-    if champion is None:
-        return "first champion" if passed else "no champion yet"
-    length, theirs = results.mean_acceptance_length, champion.mean_acceptance_length
-    if length is None or theirs is None:
-        text = f"champion v{champion.version} has AL {format_figure(theirs, 2)}"
-    elif passed and length > theirs:
-        text = f"beats v{champion.version} by {length - theirs:+.2f} AL"
-    elif passed:  # a gate without beat_champion
-        text = f"replaces v{champion.version} at {length - theirs:+.2f} AL"
-    elif theirs >= length:
-        text = f"v{champion.version} leads by {theirs - length:.2f} AL"
-    else:
-        text = f"{length - theirs:+.2f} AL over v{champion.version}, which stays champion"
+def headline(results: CycleResults, engine: str) -> str:
+    """`AL 2.36 · 0.77x @ c=1 (inconclusive) · vLLM 0.32.0`: what a description starts with."""
     speedup = results.speedup.get(1)
-    if speedup is not None and champion.speedup_c1 is not None:
-        text += f", speedup {speedup - champion.speedup_c1:+.2f}x vs v{champion.version}"
+    shown = "speedup n/a @ c=1" if speedup is None else f"{speedup:.2f}x @ c=1"
+    status = results.speedup_status.get(1, "ok")
+    if speedup is not None and status != "ok":
+        shown += f" ({status.split(':')[0]})"
+    return f"AL {format_figure(results.mean_acceptance_length, 2)} · {shown} · {engine}"
+
+
+def comparison(results: CycleResults, champion: ChampionFigures) -> str:
+    """Both figures, never their difference: `AL 1.80 vs 2.24, 0.40x vs 0.77x @ c=1`."""
+    text = (
+        f"AL {format_figure(results.mean_acceptance_length, 2)} vs "
+        f"{format_figure(champion.mean_acceptance_length, 2)}"
+    )
+    if results.speedup.get(1) is not None or champion.speedup_c1 is not None:
+        text += (
+            f", {format_figure(results.speedup.get(1), 2, 'x')} vs "
+            f"{format_figure(champion.speedup_c1, 2, 'x')} @ c=1"
+        )
     return text
 
 
 def verdict_line(
     results: CycleResults, decision: GateDecision, engine: str, champion: ChampionFigures | None
 ) -> str:
-    """The description's first line, what the registry's versions list shows:
-    `champion: AL 2.24, speedup 1.90x @ c=1 on vLLM 0.32.0 — beats v1 by +0.31 AL, speedup +0.20x vs v1`.
-    A rejected version names the gate's reasons in its head."""
-    head = "champion" if decision.passed else f"rejected ({'; '.join(decision.reasons)})"
-    figures = f"AL {format_figure(results.mean_acceptance_length, 2)}, {_speedup_phrase(results)} on {engine}"
-    return f"{head}: {figures} — {_comparison(results, decision.passed, champion)}"
+    """The description's first line, what the registry's versions list shows, figures first:
+    `AL 2.31 · 1.70x @ c=1 · vLLM 0.32.0 · champion · vs v3: AL 2.31 vs 2.00, 1.70x vs 1.50x @ c=1`.
+    A rejected version names the gate's reasons after its figures."""
+    head = "champion" if decision.passed else f"rejected: {'; '.join(decision.reasons)}"
+    line = f"{headline(results, engine)} · {head}"
+    if champion is None:
+        return line + (" (the first)" if decision.passed else "")
+    return f"{line} · vs {'' if decision.passed else 'champion '}v{champion.version}: " + comparison(
+        results, champion
+    )
 
 
 def description_table(
@@ -137,14 +175,21 @@ def description_table(
     consistent = {True: "yes", False: "no (integration fault)", None: "not measured"}[results.consistent]
     lines = ["| metric | value |", "|---|---|"]
     lines += [f"| {label} | {value} |" for label, value in context_rows]
+    engine_rate, simulator_rate = results.engine_rate_compared, results.simulator_acceptance_rate
+    compared = f"{format_percent(engine_rate)} vs {format_percent(simulator_rate)}"
     lines += [
         f"| mean acceptance length | {format_figure(results.mean_acceptance_length)} tokens/step |",
         f"| acceptance rate | {format_percent(results.acceptance_rate)} |",
-        f"| simulator acceptance rate | {format_percent(results.simulator_acceptance_rate)} |",
+        f"| engine vs simulator acceptance (same prompts and mix) | {compared} |",
         f"| engine/simulator consistent | {consistent} |",
     ]
+    if results.simulator_unweighted_acceptance_rate is not None:
+        lines.append(
+            "| simulator acceptance, each prompt once (unweighted) | "
+            f"{format_percent(results.simulator_unweighted_acceptance_rate)} |"
+        )
     if results.per_position_acceptance:
-        per_position = ", ".join(f"{100 * value:.0f} %" for value in results.per_position_acceptance)
+        per_position = ", ".join(format_percent(value, 0) for value in results.per_position_acceptance)
         lines.append(f"| acceptance per position | {per_position} |")
     for concurrency in sorted(results.speedup):
         throughput = results.throughput.get(concurrency)
@@ -172,7 +217,7 @@ def version_description(
     serving_command: str,
 ) -> str:
     """The model version's description: the one-line verdict, the table, the serving command."""
-    rows = [("engine", card.engine_label), ("target", card.target)]
+    rows = [("engine", card.engine_label), ("target", card.target), *card.provenance_rows()]
     if champion is not None and champion.mean_acceptance_length is not None:
         rows.append((f"champion at registration (v{champion.version})", _champion_figures(champion)))
     table = description_table(results, decision, serving_command, context_rows=rows)
@@ -189,69 +234,62 @@ REGISTERED_MODEL_INTRO = "EAGLE-3 drafters trained by draftloop."
 _LEADERBOARD_ROWS = 50  # newest versions shown; the rest stay in the versions list
 
 
-def _speedup_cell(tags: Mapping[str, str], concurrency: int) -> str:
-    value = tag_float(tags, f"speedup_c{concurrency}")
-    if value is None:
+def _speedup_cell(results: CycleResults | None, concurrency: int) -> str:
+    if results is None or results.speedup.get(concurrency) is None:
         return "-"
-    flag = tags.get(f"speedup_c{concurrency}_status")
-    return f"{value:.2f}x" + (f" ({flag})" if flag else "")
+    return speedup_text(results, concurrency)
+
+
+def _gate_cell(record: VersionRecord, champion: bool) -> str:
+    gate = record.tags.get("gate", "-")
+    if champion:
+        return "champion"
+    return "passed (former champion)" if gate == "passed" else gate
 
 
 def leaderboard_markdown(client: MlflowClient, name: str) -> str:
     """The registered model's description: its versions newest first (gate, AL, acceptance rate, speedup
-    per concurrency, engine), rebuilt from the versions' tags."""
+    per concurrency, engine, target, variant), rebuilt from the versions' records."""
     escaped = name.replace("'", "\\'")
     versions = sorted(
         client.search_model_versions(f"name = '{escaped}'"), key=lambda v: int(v.version), reverse=True
     )
-    concurrencies = sorted(
-        {
-            int(key[len("speedup_c") :])
-            for v in versions
-            for key in v.tags
-            if re.fullmatch(r"speedup_c\d+", key)
-        }
-    )
+    records = [read_version(client, version) for version in versions[:_LEADERBOARD_ROWS]]
+    concurrencies = sorted({c for record in records if record.results for c in record.results.speedup})
     # By the alias itself: search results do not carry aliases.
     holder = current_champion(client, name)
-    champion = next((v for v in versions if holder is not None and str(v.version) == holder.version), None)
+    champion = next((r for r in records if holder is not None and r.version == holder.version), None)
     if champion is None:
         head = "No champion yet."
     else:
-        tags = champion.tags
+        length = champion.results.mean_acceptance_length if champion.results else None
+        engine = engine_label(champion.fact("engine", "?"), champion.fact("engine_version"))
         head = (
-            f"Champion: v{champion.version}, "
-            f"AL {format_figure(tag_float(tags, 'mean_acceptance_length'), 2)}, "
-            f"speedup {_speedup_cell(tags, 1)} @ c=1 on "
-            f"{engine_label(tags.get('engine', '?'), tags.get('engine_version'))}."
+            f"Champion: v{champion.version}, AL {format_figure(length, 2)}, "
+            f"speedup {_speedup_cell(champion.results, 1)} @ c=1 on {engine}."
         )
     header = ["version", "gate", "AL (tokens/step)", "acceptance rate"]
-    header += [f"speedup @ c={c}" for c in concurrencies] + ["engine", "target"]
+    header += [f"speedup @ c={c}" for c in concurrencies] + ["engine", "target", "variant"]
     lines = [
         f"{REGISTERED_MODEL_INTRO} {head}",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
-    for version in versions[:_LEADERBOARD_ROWS]:
-        tags = version.tags
-        if version is champion:
-            gate = "champion"
-        elif tags.get("gate") == "passed":
-            gate = "passed (former champion)"
-        else:
-            gate = tags.get("gate", "-")
+    for record in records:
+        results = record.results
         cells = [
-            f"v{version.version}",
-            gate,
-            format_figure(tag_float(tags, "mean_acceptance_length"), 2),
-            format_percent(tag_float(tags, "acceptance_rate")),
-            *(_speedup_cell(tags, c) for c in concurrencies),
-            engine_label(tags.get("engine", "-"), tags.get("engine_version")),
-            tags.get("target", "-"),
+            f"v{record.version}",
+            _gate_cell(record, record is champion),
+            format_figure(results.mean_acceptance_length if results else None, 2),
+            format_percent(results.acceptance_rate if results else None),
+            *(_speedup_cell(results, c) for c in concurrencies),
+            engine_label(record.fact("engine", "-"), record.fact("engine_version")),
+            record.fact("target", "-"),
+            record.fact("variant", "-"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     if len(versions) > _LEADERBOARD_ROWS:
         lines += ["", f"{len(versions) - _LEADERBOARD_ROWS} older versions are in the versions list."]
-    lines += ["", "Rebuilt at every registration from the versions' tags."]
+    lines += ["", "Rebuilt at every registration from the versions' records."]
     return "\n".join(lines) + "\n"

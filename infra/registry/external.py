@@ -2,9 +2,9 @@
 
 The diagnosed folder is logged as the same kind of MLflow model as a trained drafter (flavor
 `draftloop_eagle3`, the folder under `drafter/`), and registered as a version of the target's registered
-model tagged `external` (its source folder, verdict, figures), so the leaderboard lists it beside trained
-versions and `evaluation.gate.beat` can name it (by the alias given here, e.g. `baseline`). It never
-takes the `champion` alias.
+model, its `gate` tag `external baseline` (the source folder, verdict and figures on its logged model, as a
+trained version's), so the leaderboard lists it beside trained versions and `evaluation.gate.beat` can name
+it (by the alias given here, e.g. `baseline`). It never takes the `champion` alias.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from draftloop.infra.evaluation.diagnose import Diagnosis
 from draftloop.infra.registry.cards import (
     REGISTERED_MODEL_INTRO,
     DrafterCard,
+    headline,
     leaderboard_markdown,
+    model_tags,
     target_label,
+    version_tags,
 )
+from draftloop.infra.registry.gate import EXTERNAL_GATE, CycleResults
 from draftloop.infra.registry.models import log_drafter_model
 from draftloop.infra.registry.runs import Tracker
-
-EXTERNAL_TAG = "external"
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,19 @@ class ExternalVersion:
     version: str
     alias: str | None
     model_id: str
+
+
+def external_results(diagnosis: Diagnosis, k: int) -> CycleResults:
+    """The diagnosis's engine figures and speedups as the results a trained version stores."""
+    figures = diagnosis.engine or {}
+    measured = {int(level): s for level, s in diagnosis.speedup.items() if s.get("speedup") is not None}
+    return CycleResults(
+        acceptance_rate=figures.get("acceptance_rate"),
+        mean_acceptance_length=figures.get("mean_acceptance_length"),
+        speedup={level: float(s["speedup"]) for level, s in measured.items()},
+        speedup_status={level: str(s.get("status") or "ok") for level, s in measured.items()},
+        recommended_k=k,
+    )
 
 
 def register_external(
@@ -54,6 +69,7 @@ def register_external(
         aux_layer_ids=list(served.reading.capture_ids) if served else None,
         layer_id_convention="layer_input",
         convention_exported=diagnosis.folder.format,
+        variant="unknown",  # a published folder's variant is not recorded by the diagnosis (yet)
     )
     run = client.create_run(
         tracker.experiment_id, run_name=f"baseline {folder.name}", tags={"draftloop.kind": "baseline"}
@@ -61,35 +77,28 @@ def register_external(
     model, _command = log_drafter_model(
         tracker, run.info.run_id, folder, card, lambda uri: diagnosis.served_command or uri, k
     )
-    figures = diagnosis.engine or {}
-    tags = {
-        **card.tags(),
-        EXTERNAL_TAG: "true",
-        "source": str(folder),
-        "gate": "external baseline",
-        "verdict": diagnosis.verdict,
-        "mean_acceptance_length": f"{figures.get('mean_acceptance_length') or 0:.3f}",
-        "acceptance_rate": f"{figures.get('acceptance_rate') or 0:.3f}",
-    }
-    for level, speedup in diagnosis.speedup.items():
-        if speedup.get("speedup") is not None:
-            tags[f"speedup_c{level}"] = f"{speedup['speedup']:.3f}"
-            tags[f"speedup_c{level}_status"] = str(speedup.get("status"))
+    results = external_results(diagnosis, k)
+    facts = {"external": "true", "source": str(folder), "verdict": diagnosis.verdict}
     if diagnosis.cause is not None:
-        tags["cause"] = diagnosis.cause.name
+        facts["cause"] = diagnosis.cause.name
     description = (
-        f"external baseline: {diagnosis.verdict}, AL {tags['mean_acceptance_length']} on {engine} "
-        f"(source {folder})\n\n" + "\n".join(f"- {reason}" for reason in diagnosis.reasons)
+        f"{headline(results, card.engine_label)} · {EXTERNAL_GATE}: {diagnosis.verdict} (source {folder})"
+        "\n\n" + "\n".join(f"- {reason}" for reason in diagnosis.reasons)
     )
     version = client.create_model_version(
-        name, source=model.artifact_location, run_id=run.info.run_id, tags=tags, description=description,
-        model_id=model.model_id,
+        name, source=model.artifact_location, run_id=run.info.run_id,
+        tags=version_tags(card, results, EXTERNAL_GATE), description=description, model_id=model.model_id,
     )  # fmt: skip
     client.set_terminated(run.info.run_id)
+    client.set_logged_model_tags(  # before the leaderboard: it reads the figures from here
+        model.model_id,
+        {
+            **model_tags(results),
+            **facts,
+            MLFLOW_MODEL_VERSIONS: json.dumps([{"name": name, "version": str(version.version)}]),
+        },
+    )
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     client.update_registered_model(name, description=leaderboard_markdown(client, name))
-    client.set_logged_model_tags(
-        model.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([{"name": name, "version": str(version.version)}])}
-    )
     return ExternalVersion(name, str(version.version), alias, model.model_id)

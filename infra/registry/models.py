@@ -1,7 +1,9 @@
 """The drafter as an MLflow logged model and its registered versions: log it, make a version, move `champion`.
 
-A version that fails the gate is still registered (it is evidence), tagged `rejected` with the reasons;
-only a passing one gets the `champion` alias. The prose of the version and of the leaderboard is cards.py's.
+A version that fails the gate is still registered (it is evidence), its `gate` tag `rejected` and the
+reasons in its description and on its logged model; only a passing one gets the `champion` alias. The
+version carries six short tags; the rest (the card, the results whole) is the logged model's. The prose of
+the version and of the leaderboard is cards.py's.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from draftloop.infra.registry.cards import (
     SHORT_HASH,
     DrafterCard,
     leaderboard_markdown,
-    result_tags,
+    model_tags,
     version_description,
+    version_tags,
 )
 from draftloop.infra.registry.gate import (
     CHAMPION_ALIAS,
@@ -86,6 +89,7 @@ def log_drafter_model(
         layer_id_convention=card.layer_id_convention,
         convention_exported=card.convention_exported,
         target=card.target,
+        drafter_variant=card.variant,
     )
     client.log_model_artifacts(model.model_id, str(drafter_folder), DRAFTER_DATA_DIR)
     with tempfile.TemporaryDirectory(prefix="draftloop-mlmodel-") as scratch:
@@ -169,27 +173,24 @@ def register_drafter(
             if value is not None and is_finite(value)
         ],
     )
-    version_tags = {
-        **card.tags(),
-        **result_tags(results),
-        "gate": "passed" if decision.passed else "rejected",
-    }
-    if not decision.passed:
-        version_tags["rejected"] = "; ".join(decision.reasons)
-    if decision.notes:
-        version_tags["gate_notes"] = "; ".join(decision.notes)
+    gate = "passed" if decision.passed else "rejected"
     description = version_description(results, decision, card, champion, command)
     version = client.create_model_version(
         name,
         source=model.artifact_location,
         run_id=model_run_id,
-        tags=version_tags,
+        tags=version_tags(card, results, gate),
         description=description,
         model_id=model.model_id,
     )
-    # The logged model's page lists its registered versions from this tag (what mlflow.register_model sets).
+    # The logged model keeps the results and the gate's reasons (what gate.read_version reads back); its
+    # page lists its registered versions from MLFLOW_MODEL_VERSIONS (what mlflow.register_model sets).
     client.set_logged_model_tags(
-        model.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([{"name": name, "version": str(version.version)}])}
+        model.model_id,
+        {
+            **model_tags(results, decision),
+            MLFLOW_MODEL_VERSIONS: json.dumps([{"name": name, "version": str(version.version)}]),
+        },
     )
     if decision.passed:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)
@@ -198,7 +199,7 @@ def register_drafter(
         {
             "registered_model": name,
             "model_version": version.version,
-            "gate": "passed" if decision.passed else "rejected",
+            "gate": gate,
         }
     )
     return Registration(
