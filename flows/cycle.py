@@ -24,8 +24,8 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 from pydantic import BaseModel, Field
 
+from draftloop.flows.cycle_report import final_log_line, summary_markdown
 from draftloop.flows.pipeline import CYCLE, pipeline_for
-from draftloop.infra.registry.figures import format_figure
 from draftloop.infra.registry.runs import StageRun, Tracker, flatten_params
 from draftloop.infra.runtime import ray_cluster
 from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
@@ -115,7 +115,9 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
         "acceptance_rate": results.get("acceptance_rate"),
         "mean_acceptance_length": results.get("mean_acceptance_length"),
         "per_position_acceptance": results.get("per_position_acceptance"),
+        # On the engine's prompt mix, beside the engine's rate as compared: the consistency check's pair.
         "simulator_acceptance_rate": results.get("simulator_acceptance_rate"),
+        "compared_engine_acceptance_rate": results.get("compared_engine_acceptance_rate"),
         "consistent": results.get("consistent"),
         "lossless": results.get("lossless"),
         "verdict": evaluated.verdict if evaluated else None,
@@ -138,6 +140,7 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
                 "seconds": timing.seconds,
                 "cache_hit": timing.cache_hit,
                 "uri": ctx.outcomes[name].uri,
+                "rows": ctx.outcomes[name].manifest.rows,
                 "figures": timing.figures,
             }
             for name, timing in ctx.timings.items()
@@ -165,49 +168,6 @@ def mlflow_links(
     if model:
         links["MLflow model"] = f"{base}/#/models/{model}"
     return links
-
-
-def summary_markdown(summary: dict[str, Any]) -> str:
-    """The Prefect run page's artifact: verdict first, figures rounded with units, the gate's reason."""
-    registered = summary.get("registered_model") or {}
-    lines = [f"# draftloop cycle `{summary['config']}`: {summary['status']}", ""]
-    if registered.get("verdict"):
-        lines += [f"**{registered['verdict']}**", ""]
-    lines += ["| result | value |", "|---|---|"]
-    lines.append(f"| evaluation verdict | {format_figure(summary.get('verdict'))} |")
-    lines.append(f"| acceptance rate | {format_figure(summary.get('acceptance_rate'))} |")
-    mean_al = format_figure(summary.get("mean_acceptance_length"), 2, " tokens/step")
-    lines.append(f"| mean acceptance length | {mean_al} |")
-    statuses = summary.get("speedup_status") or {}
-    for concurrency, speedup in (summary.get("speedup") or {}).items():
-        flag = str(statuses.get(concurrency, "ok")).split(":")[0]
-        lines.append(
-            f"| speedup @ concurrency {concurrency} | {format_figure(speedup, 2, 'x')}"
-            + (f" ({flag})" if flag != "ok" else "")
-            + " |"
-        )
-    if summary.get("recommended_k") is not None:
-        lines.append(f"| recommended k | {summary['recommended_k']} |")
-    epoch = summary.get("drafter_epoch") or {}
-    if epoch.get("exported_epoch") is not None:
-        lines.append(
-            f"| exported epoch | {epoch['exported_epoch']} "
-            f"(held-out AL {format_figure(epoch.get('held_out_acceptance_length'), 2)}) |"
-        )
-    if registered:
-        gate = registered.get("gate") or {}
-        lines.append(
-            f"| model version | {registered.get('name')} v{registered.get('version')} "
-            f"({registered.get('alias_status')}) |"
-        )
-        if gate.get("reasons"):
-            lines.append(f"| gate | rejected: {'; '.join(gate['reasons'])} |")
-    for label, url in (summary.get("links") or {}).items():
-        lines.append(f"| {label} | [{url}]({url}) |")
-    lines += ["", "| stage | seconds | cache |", "|---|---|---|"]
-    for name, timing in summary["stages"].items():
-        lines.append(f"| {name} | {timing['seconds']:.1f} | {'hit' if timing['cache_hit'] else 'run'} |")
-    return "\n".join(lines) + "\n"
 
 
 def run_cycle(
@@ -274,7 +234,7 @@ def run_cycle(
             logger.warning("could not publish the summary: %s", error)
     tracker.end_cycle("FINISHED")
     _log_cycle_metrics(cycle_run, summary)
-    logger.info("cycle %s done: %s", run_id, json.dumps({k: summary[k] for k in ("stages", "speedup")}))
+    logger.info("%s", final_log_line(summary))
     return summary
 
 

@@ -55,12 +55,13 @@ def test_cycle_summary_artifact_leads_with_the_verdict_rounds_and_links() -> Non
     text = summary_markdown(summary)
     assert text.splitlines()[2] == "**rejected (AL 2.24 does not beat champion v1's 2.50): AL 2.24 ...**"
     assert "| mean acceptance length | 2.24 tokens/step |" in text
+    assert "| acceptance rate | 41.2 % |" in text  # a rate reads in % wherever it is shown
     assert "| speedup @ concurrency 1 | 0.66x (inconclusive) |" in text
     assert "| speedup @ concurrency 4 | 1.81x |" in text
     assert "| exported epoch | 7 (held-out AL 3.19) |" in text
     assert "| gate | rejected: mean acceptance length 2.237 does not beat the champion's 2.500 |" in text
     assert "http://127.0.0.1:5000/#/experiments/1/runs/abc" in text
-    assert "| train | 12.3 | run |" in text
+    assert "| train | 12.3 | run | - | - | `-` |" in text
     assert mlflow_links("sqlite:///x.db", "1", "abc", None) == {}  # no UI behind a file store
 
 

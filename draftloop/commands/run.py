@@ -42,23 +42,32 @@ def _embedded_defaults(state: Path) -> dict[str, str]:
 
 
 def summary_table(summary: dict[str, Any]) -> Table:
-    table = Table(title=f"draftloop cycle {summary.get('config')}: {summary.get('status')}")
+    from draftloop.flows.cycle_report import summary_title  # the flows package: only when a cycle ran
+    from draftloop.infra.registry.figures import format_percent
+
+    table = Table(title=f"draftloop cycle {summary.get('config')}: {summary_title(summary)}")
     table.add_column("item")
     table.add_column("value")
     for stage, timing in summary.get("stages", {}).items():
         table.add_row(
             f"stage {stage}", f"{timing['seconds']:.1f} s" + (" (cache hit)" if timing["cache_hit"] else "")
         )
-    for key in (
-        "verdict",
-        "lossless",
-        "acceptance_rate",
-        "mean_acceptance_length",
-        "simulator_acceptance_rate",
-        "consistent",
-    ):
-        value = summary.get(key)
-        table.add_row(key.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
+    if summary.get("verdict") is not None:
+        engine = summary.get("compared_engine_acceptance_rate")
+        engine = summary.get("acceptance_rate") if engine is None else engine
+        answers = {True: "yes", False: "no (integration fault)", None: "not compared"}
+        consistent = answers[summary.get("consistent")]
+        table.add_row("verdict", str(summary.get("verdict")))
+        table.add_row("lossless", str(summary.get("lossless")))
+        table.add_row("acceptance rate", format_percent(summary.get("acceptance_rate")))
+        length = summary.get("mean_acceptance_length")
+        table.add_row("mean acceptance length", f"{length:.3f}" if isinstance(length, float) else str(length))
+        # The pair the consistency check compares: the same prompts, weighted alike.
+        table.add_row(
+            "engine vs simulator acceptance (same prompts and mix)",
+            f"{format_percent(engine)} vs {format_percent(summary.get('simulator_acceptance_rate'))}",
+        )
+        table.add_row("engine/simulator consistent", consistent)
     statuses = summary.get("speedup_status") or {}
     for concurrency, speedup in (summary.get("speedup") or {}).items():
         status = str(statuses.get(concurrency, "ok"))
