@@ -37,7 +37,9 @@ def small_config(workdir: Path, target_dir: Path) -> dict[str, Any]:
     config["data"].update({"num_samples": 24, "eval_prompts": 4})
     config["synthesis"].update({"max_new_tokens": 32})
     config["extraction"].update({"samples_per_shard": 8})
-    config["training"].update({"epochs": 2, "batch_size": 8, "ttt_length": 3})
+    # The EAGLE 3.1 layer (fc_norm + norm_output): the session's cycles train and serve it; plain EAGLE-3
+    # (the default) is the fault suite's and the engine tests' drafter.
+    config["training"].update({"epochs": 2, "batch_size": 8, "ttt_length": 3, "drafter": "eagle3.1"})
     config["engine"]["python"] = str(VLLM_PYTHON)
     config["evaluation"].update({"max_tokens": 32, "concurrency": [1, 4]})
     config["storage"]["root"] = str(workdir / "runs")

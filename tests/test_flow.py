@@ -172,6 +172,12 @@ def test_full_cycle_records_results_registry_and_artifacts(
     assert sorted(written["speedup"]) == ["1", "4"]
     assert all(value > 0 for value in written["speedup"].values())
     assert written["consistent"] is not None
+    from draftloop.infra.runtime.storage import read_shard
+
+    report = json.loads(read_shard(_manifest(summary["stages"]["evaluate"]["uri"]), "eval_report.json"))
+    assert report["drafter_variant"] == "eagle3.1 (fc_norm, norm_output)"  # the session config's layer
+    served = json.loads((Path(report["drafter"]) / "config.json").read_text())
+    assert (served["fc_norm"], served["norm_output"]) == (True, True)
     registered = written["registered_model"]
     assert registered["name"] == "drafter-flow-test"
     assert registered["alias_status"] in {"champion", "rejected"}

@@ -37,6 +37,8 @@ OVERRIDES: dict[str, Any] = {
     "training.batch_size": 4,
     "evaluation.concurrency": [1],  # the verdict and the registry are the point here, not speedups
     "evaluation.repeats": 1,
+    # The EAGLE 3.1 layer (fc_norm + norm_output), as the published MLA drafters: served natively by vLLM.
+    "training.drafter": "eagle3.1",
 }
 # The issue's bar: engine and simulator acceptance, measured on the same text, within 0.02.
 CONSISTENCY = 0.02
@@ -91,12 +93,15 @@ def test_mla_cycle_is_ok_lossless_consistent_and_champion(mla_cycle: MlaCycle) -
     assert report["engine_acceptance"]["num_drafts"] > 0
     drafter = json.loads((Path(report["drafter"]) / "config.json").read_text())
     assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert (drafter["fc_norm"], drafter["norm_before_fc"], drafter["norm_output"]) == (True, False, True)
+    assert report["drafter_variant"] == "eagle3.1 (fc_norm, norm_output)"
     registered = summary["registered_model"]
     assert registered["alias_status"] == "champion", registered
 
 
 def test_mla_drafter_exported_off_by_one_is_an_integration_fault(mla_cycle: MlaCycle, tmp_path: Path) -> None:
-    """The conventions bug on the MLA pair: ids exported one lower than vLLM reads them.
+    """The conventions bug on the MLA pair: ids exported one lower than vLLM reads them, and the
+    EAGLE 3.1 fields lost on the way (an export that wrote plain EAGLE-3's config): both named.
 
     Here that is [0, 1, 2], and vLLM 0.32's DeepSeek-V2 model cannot capture layer 0 (no residual yet):
     its speculative server dies on the first request. Either way the evaluation must name the export as
@@ -104,6 +109,9 @@ def test_mla_drafter_exported_off_by_one_is_an_integration_fault(mla_cycle: MlaC
     """
     config, summary, report = mla_cycle.config, mla_cycle.summary, mla_cycle.report
     shifted = shift_exported_layer_ids(Path(report["drafter"]), tmp_path / "shifted", -1)
+    exported = json.loads((shifted / "config.json").read_text())
+    exported |= {"fc_norm": False, "norm_output": False}
+    (shifted / "config.json").write_text(json.dumps(exported))
     conversations = read_manifest(summary["stages"]["synthesize"]["uri"])
     prompts = [row["prompt"] for row in read_eval_prompts(conversations, storage_options(config))]
     engine = get_engine(config.engine.kind, config.engine_settings())
@@ -126,3 +134,5 @@ def test_mla_drafter_exported_off_by_one_is_an_integration_fault(mla_cycle: MlaC
         assert faulty.lossless  # the verifier still rejects the bad drafts
         reasons = faulty.reasons
     assert any("trained on layer_input [1, 2, 3]" in reason for reason in reasons), reasons
+    lost = "trained as eagle3.1 (fc_norm, norm_output) (fc_norm: false, norm_output: false in config.json"
+    assert any(lost in reason for reason in reasons), reasons
