@@ -27,6 +27,7 @@ from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord
 from draftloop.infra.runtime.redaction import redact_text
 from draftloop.infra.runtime.services import hold_gpus
+from draftloop.infra.runtime.stage_log import forwarded_to
 from draftloop.infra.runtime.storage import Manifest
 from draftloop.tasks.cache import StageError, StageOutcome, StageWork, run_cached
 from draftloop.tasks.cycle import CycleContext, StageTiming, run_folder_uri
@@ -255,7 +256,8 @@ def execute(stage: Stage, ctx: CycleContext) -> StageOutcome:
 # `synthesize`, `train`, ... as before.
 @task(name="stage", **stage_task_options())
 def run_stage(stage: Stage, ctx: CycleContext) -> StageOutcome:
-    return execute(stage, ctx)
+    with forwarded_to(get_run_logger()):  # the stage's progress lines (infra's STAGE_LOG) into its run log
+        return execute(stage, ctx)
 
 
 def submit(stage: Stage, ctx: CycleContext) -> StageOutcome:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from draftloop.infra.evaluation.benchmark import ServerRun
 from draftloop.infra.evaluation.run import evaluate
 from draftloop.infra.evaluation.simulator import SimulatorFigures
 from draftloop.infra.evaluation.verdict import VERDICT_FAULT, VERDICT_OK
+from draftloop.infra.runtime.stage_log import forwarded_to
 from draftloop.kernels.checkpoint import save_drafter
 from draftloop.kernels.contract import contract_record
 from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
@@ -26,6 +28,15 @@ from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM
 def served_target(zoo_target_dir: Callable[[str], Path]) -> Path:
     """tiny-llama: the fake engine ignores its weights, the pairing check before serving reads them."""
     return zoo_target_dir("tiny-llama")
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def saved_drafter(target: Path, folder: Path) -> Path:
@@ -51,10 +62,26 @@ def test_evaluate_on_fake_engine_reports_speedup_acceptance_and_verdict(
     drafter = saved_drafter(served_target, tmp_path / "drafter")
     prompts = ["Write a haiku.", "Add 2 and 3.", "Name a colour."]
     plan = evaluation_plan(max_tokens=8, concurrency=[1, 2], acceptance_tolerance=0.05)
-    report = evaluate(
-        fake_engine("--token-delay", "0.002"), plan, served_target, drafter, prompts, tmp_path / "eval",
-        simulator=_sim(0.4),
-    )  # fmt: skip
+    lines = _ListHandler()
+    run_log = logging.getLogger("test.evaluate.run_log")  # stands in for the Prefect run logger
+    run_log.addHandler(lines)
+    run_log.setLevel(logging.INFO)
+    with forwarded_to(run_log):
+        report = evaluate(
+            fake_engine("--token-delay", "0.002"), plan, served_target, drafter, prompts, tmp_path / "eval",
+            simulator=_sim(0.4),
+        )  # fmt: skip
+    run_log.removeHandler(lines)
+    # Progress while it runs: every server's start, every concurrency level, every k (named by server).
+    print("\n".join(lines.messages))
+    first = "evaluate: 3 prompts; a baseline server and a speculative one per k (3)"
+    assert lines.messages[0].startswith(first), lines.messages
+    assert any(m.startswith("evaluate: server baseline up") for m in lines.messages), lines.messages
+    assert any(m.startswith("evaluate: server speculative (k=3) up in ") for m in lines.messages)
+    for level in (1, 2):
+        measured = [m for m in lines.messages if m.startswith(f"evaluate: concurrency {level} measured: ")]
+        assert measured and "speculative (k=3)" in "".join(measured), lines.messages
+        assert "tok/s" in measured[-1]
     assert report.lossless and report.mismatched_prompts == []
     assert report.engine_acceptance is not None
     assert report.engine_acceptance["acceptance_rate"] == pytest.approx(0.4)

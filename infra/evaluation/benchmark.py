@@ -22,6 +22,7 @@ import httpx
 
 from draftloop.infra.engines.base import Engine
 from draftloop.infra.evaluation.plan import BenchmarkPlan
+from draftloop.infra.runtime.stage_log import STAGE_LOG
 from draftloop.kernels.counters import SpecCounters
 
 # Per generated token: (token text, its top-2 logprobs {text: logprob}).
@@ -490,6 +491,30 @@ class _Measuring:
         )
 
 
+def server_label(target: ServerToMeasure) -> str:
+    """`baseline`, `spec-k3 (k=3)`: a server as the progress lines name it."""
+    k = target.num_speculative_tokens
+    return target.name if k is None or f"k{k}" in target.name else f"{target.name} (k={k})"
+
+
+def log_server_up(target: ServerToMeasure, levels: Sequence[int], repeats: int) -> None:
+    startup = target.server.startup_s
+    took = f" in {startup:.0f} s" if startup is not None else ""
+    STAGE_LOG.info(
+        "evaluate: server %s up%s; measuring at concurrency %s, %d repeat(s) each",
+        server_label(target), took, ", ".join(str(level) for level in levels), max(1, repeats),
+    )  # fmt: skip
+
+
+def log_level(level: int, measuring: Sequence[_Measuring]) -> None:
+    """One line per concurrency level: each server's output tokens/s there."""
+    figures = ", ".join(
+        f"{server_label(one.target)} {one.levels[-1].output_tokens_per_s:.1f} tok/s" for one in measuring
+    )
+    requests = sum(one.levels[-1].num_requests for one in measuring)
+    STAGE_LOG.info("evaluate: concurrency %d measured: %s (%d requests)", level, figures, requests)
+
+
 def benchmark_servers(
     servers: Sequence[ServerToMeasure],
     engine: Engine,
@@ -528,6 +553,8 @@ def benchmark_servers(
             for target in servers
         ]
         try:
+            for target in servers:
+                log_server_up(target, levels, plan.repeats)
             for one in measuring:
                 await one.warm_up(prompt_ids, levels, plan.warmup_rounds)
             for one in measuring:
@@ -552,6 +579,7 @@ def benchmark_servers(
                     every = [r for results, _ in measured for r in results]
                     counters = _counters_between(engine, start_counters, one.target.server, every)
                     one.levels.append(_level_result(level, measured, counters, len(prompt_ids)))
+                log_level(level, measuring)
             for rate in plan.request_rates:
                 for one in measuring:
                     one.open_loop.append(await _measure_rate(one.client, prompt_ids, float(rate), plan))

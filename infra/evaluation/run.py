@@ -31,6 +31,7 @@ from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.plots import write_plots
 from draftloop.infra.evaluation.report import EvalReport, make_report
 from draftloop.infra.evaluation.simulator import DrafterReading, SimulatorFigures
+from draftloop.infra.runtime.stage_log import STAGE_LOG
 
 
 def evaluate(
@@ -71,10 +72,17 @@ def evaluate(
     contract_warnings = check_drafter_pairing(target_dir, drafter_dir, ServingContract.from_engine(engine))
     engine.check_python()
     start = start_server or local_server_starter(engine, target_dir, run_dir)
+    STAGE_LOG.info(
+        "evaluate: %d prompts; a baseline server%s and a speculative one per k (%s)%s%s",
+        len(prompts), " (reused)" if baseline is not None else "", ", ".join(str(k) for k in plan.ks),
+        ", measured in turns" if plan.benchmark.interleave and baseline is None else "",
+        ", then the simulator" if simulator is None else "",
+    )  # fmt: skip
     measured = measure(
         engine, plan, target_dir, drafter_dir, prompts, start, baseline=baseline, simulator=simulator,
         reading=reading,
     )  # fmt: skip
+    STAGE_LOG.info("evaluate: servers measured; judging (lossless, consistency, speedups)")
     judged = judge(plan, measured, categories=categories, contract_warnings=contract_warnings)
     report = make_report(engine, plan, target_dir, drafter_dir, len(prompts), measured, judged)
     report.plots = write_plots(report, run_dir / "plots")
