@@ -20,18 +20,30 @@ import yaml
 from prefect import Flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.objects import FlowRun
+from prefect.runtime import deployment as current_deployment
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 from pydantic import BaseModel, Field
 
 from draftloop.flows.cycle_report import final_log_line, summary_markdown
+from draftloop.flows.form import EngineKind, Epochs, NumSamples, NumSpeculativeTokens
 from draftloop.flows.pipeline import CYCLE, pipeline_for
+from draftloop.infra.registry.cycle_run import (
+    CycleRecord,
+    mlflow_ui_links,
+    prefect_flow_run_url,
+    publish_cycle_run,
+    running_description,
+    source_tags,
+    stage_plots,
+)
 from draftloop.infra.registry.runs import StageRun, Tracker, flatten_params
 from draftloop.infra.runtime import ray_cluster
 from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 from draftloop.infra.runtime.internals import ephemeral_prefect_server_pids
 from draftloop.infra.runtime.processes import PidRecord, pid_records_dir, reap_dead_records
 from draftloop.infra.runtime.redaction import install_log_redaction, redact, register_secrets, secret_values
+from draftloop.infra.runtime.storage import storage_options
 from draftloop.tasks.cycle import CycleContext, cycle_pids, run_folder_uri
 from draftloop.tasks.stage import Pipeline, submit, typed_summary
 from draftloop.tasks.summaries import EvaluationSummary, RegistrationSummary, TrainingSummary
@@ -50,7 +62,7 @@ _DEFAULT_CONFIG_VALUES: dict[str, Any] = yaml.safe_load(
 )
 DEFAULT_NUM_SAMPLES: int = _DEFAULT_CONFIG_VALUES["data"]["num_samples"]
 DEFAULT_NUM_SPECULATIVE_TOKENS: int = _DEFAULT_CONFIG_VALUES["engine"]["num_speculative_tokens"]
-DEFAULT_ENGINE_KIND: str = _DEFAULT_CONFIG_VALUES["engine"]["kind"]
+DEFAULT_ENGINE_KIND: EngineKind = _DEFAULT_CONFIG_VALUES["engine"]["kind"]
 DEFAULT_EPOCHS: int = _DEFAULT_CONFIG_VALUES["training"]["epochs"]
 DEFAULT_TARGET_PATH: str = _DEFAULT_CONFIG_VALUES["target"]["path"]
 
@@ -60,10 +72,10 @@ class TrainAndEvalParams(BaseModel):
 
     config: str = DEFAULT_CONFIG
     target_path: str = DEFAULT_TARGET_PATH
-    num_samples: int = Field(default=DEFAULT_NUM_SAMPLES, ge=1)
-    epochs: int = Field(default=DEFAULT_EPOCHS, ge=1)
-    engine_kind: str = DEFAULT_ENGINE_KIND
-    num_speculative_tokens: int = Field(default=DEFAULT_NUM_SPECULATIVE_TOKENS, ge=1, le=16)
+    num_samples: NumSamples = DEFAULT_NUM_SAMPLES  # types with limits: flows/form.py
+    epochs: Epochs = DEFAULT_EPOCHS
+    engine_kind: EngineKind = DEFAULT_ENGINE_KIND
+    num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS
     drafter_init: str = ""
     overrides: dict[str, Any] = Field(default_factory=dict)
 
@@ -153,21 +165,17 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
             ctx.tracker.experiment_id,
             ctx.tracker.parent_run_id,
             registered.name if registered else None,
+            registered.version if registered else None,
         ),
     }
 
 
 def mlflow_links(
-    tracking_uri: str, experiment_id: str, run_id: str | None, model: str | None
+    tracking_uri: str, experiment_id: str, run_id: str | None, model: str | None, version: str | None = None
 ) -> dict[str, str]:
-    """Links into the MLflow UI when the tracking store is an MLflow server (a file store has no UI URL)."""
-    if not tracking_uri.startswith(("http://", "https://")) or run_id is None:
-        return {}
-    base = tracking_uri.rstrip("/")
-    links = {"MLflow run": f"{base}/#/experiments/{experiment_id}/runs/{run_id}"}
-    if model:
-        links["MLflow model"] = f"{base}/#/models/{model}"
-    return links
+    """Links into the MLflow UI by label (infra/registry/cycle_run.py) when the tracking store is an
+    MLflow server (a file store has no UI URL)."""
+    return mlflow_ui_links(tracking_uri, experiment_id, run_id, model, version).mlflow_rows()
 
 
 def run_cycle(
@@ -199,6 +207,9 @@ def run_cycle(
     ctx.pids.claim()
     register_secrets(secret_values(config.model_dump(mode="json")))
     dumped = redact(config.model_dump(mode="json"))  # what is shown (params, config.json): no secrets
+    flow_run_url = prefect_flow_run_url(run_id)
+    deployment = current_deployment.name
+    source = f"{current_flow_run.flow_name}/{deployment}" if deployment else f"draftloop run {params.config}"
     cycle_run = tracker.start_cycle(
         run_name=f"{config.name}-{run_id[:8]}",
         params=flatten_params(dumped),
@@ -206,8 +217,10 @@ def run_cycle(
             "draftloop.config": config.name,
             "prefect.flow_run_id": run_id,
             "draftloop.until": stages.names[-1],
+            **source_tags(source, flow_run_url),
         },
     )
+    tracker.describe_cycle(running_description(config.name, stages.names[-1], flow_run_url))
     cycle_run.log_dict(dumped, "config.json")
     ctx.write_text("config.json", json.dumps(dumped, indent=2))
     status = "failed"
@@ -230,6 +243,7 @@ def run_cycle(
         try:
             cycle_run.log_dict(summary, "summary.json")
             create_markdown_artifact(summary_markdown(summary), key="draftloop-cycle-summary")
+            _publish_cycle_run(ctx, cycle_run, summary, pipeline.names[-1], flow_run_url)
         except Exception as error:  # reporting must not mask the cycle's own outcome
             logger.warning("could not publish the summary: %s", error)
     tracker.end_cycle("FINISHED")
@@ -238,16 +252,30 @@ def run_cycle(
     return summary
 
 
+def _publish_cycle_run(
+    ctx: CycleContext, cycle_run: StageRun, summary: dict[str, Any], last: str, flow_run_url: str | None
+) -> None:
+    """The cycle run as people read it in MLflow: the verdict as its description, the runs table's
+    columns, the stages' plots (infra/registry/cycle_run.py)."""
+    registered = summary.get("registered_model") or {}
+    links = mlflow_ui_links(
+        ctx.tracker.tracking_uri,
+        ctx.tracker.experiment_id,
+        ctx.tracker.parent_run_id,
+        registered.get("name"),
+        registered.get("version"),
+        prefect_flow_run=flow_run_url,
+    )
+    record = CycleRecord.from_summary(summary, last, links)
+    manifests = {name: outcome.manifest for name, outcome in ctx.outcomes.items()}
+    publish_cycle_run(ctx.tracker, cycle_run, record, stage_plots(manifests, storage_options(ctx.config)))
+
+
 def _log_cycle_metrics(cycle_run: StageRun, summary: dict[str, Any]) -> None:
-    metrics: dict[str, float] = {}
-    for key in ("acceptance_rate", "mean_acceptance_length"):
-        if isinstance(summary.get(key), int | float):
-            metrics[key] = float(summary[key])
-    for concurrency, value in (summary.get("speedup") or {}).items():
-        metrics[f"speedup_c{concurrency}"] = float(value)
-    for stage, timing in summary["stages"].items():
-        metrics[f"stage_seconds.{stage}"] = float(timing["seconds"])
-    cycle_run.log_metrics(metrics)
+    """Each stage's time (the figures the runs table shows are `_publish_cycle_run`'s)."""
+    cycle_run.log_metrics(
+        {f"stage_seconds.{stage}": round(float(t["seconds"]), 1) for stage, t in summary["stages"].items()}
+    )
 
 
 def stop_started_resources(flow: Flow[Any, Any], flow_run: FlowRun, state: State[Any]) -> None:

@@ -19,19 +19,32 @@ from draftloop.flows.cycle import (
     cycle_flow,
     run_cycle,
 )
+from draftloop.flows.form import (
+    ConfigPath,
+    DrafterInit,
+    EngineKind,
+    Epochs,
+    LastStage,
+    NumSamples,
+    NumSpeculativeTokens,
+    Overrides,
+    ShippedConfig,
+    TargetPath,
+)
 
 
 @cycle_flow("train-and-eval")
 def train_and_eval(
-    config: str = DEFAULT_CONFIG,
-    target_path: str = DEFAULT_TARGET_PATH,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    epochs: int = DEFAULT_EPOCHS,
-    engine_kind: str = DEFAULT_ENGINE_KIND,
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
-    drafter_init: str = "",
-    overrides: dict[str, Any] = {},  # noqa: B006 - a literal so the form shows it; never mutated
-    until: str = "register",
+    config: ShippedConfig = DEFAULT_CONFIG,
+    config_path: ConfigPath = "",
+    target_path: TargetPath = DEFAULT_TARGET_PATH,
+    num_samples: NumSamples = DEFAULT_NUM_SAMPLES,
+    epochs: Epochs = DEFAULT_EPOCHS,
+    engine_kind: EngineKind = DEFAULT_ENGINE_KIND,
+    num_speculative_tokens: NumSpeculativeTokens = DEFAULT_NUM_SPECULATIVE_TOKENS,
+    drafter_init: DrafterInit = "",
+    overrides: Overrides = {},  # noqa: B006 - a literal so the form shows it; never mutated
+    until: LastStage = "register",
 ) -> dict[str, Any]:
     """Train an EAGLE-3 drafter for the target and measure it in a real serving engine.
 
@@ -41,18 +54,19 @@ def train_and_eval(
     reused. Fields left at their defaults keep the config file's own values.
 
     Args:
-        config: Experiment config file (YAML), relative to the repository.
+        config: A shipped experiment config (configs/).
+        config_path: Another config file (YAML, absolute or from the repository); replaces config when set.
         target_path: Target model, a Hugging Face model folder.
         num_samples: Training conversations to synthesize.
         epochs: Training epochs of the drafter.
-        engine_kind: Serving engine for the evaluation, vllm or sglang.
+        engine_kind: Serving engine for the evaluation.
         num_speculative_tokens: k, the tokens the drafter proposes per step when served.
         drafter_init: Drafter folder to fine-tune from; empty trains a new drafter.
         overrides: Any other config value by dotted key, e.g. {"training.lr": 0.001}.
-        until: Last stage to run: synthesize, extract, train, evaluate or register (the whole cycle).
+        until: Last stage to run (register: the whole cycle).
     """
     form = TrainAndEvalParams(
-        config=config,
+        config=config_path or config,
         target_path=target_path,
         num_samples=num_samples,
         epochs=epochs,

@@ -83,7 +83,7 @@ def run_cycle_in_process(
     from draftloop.flows.train_and_eval import train_and_eval
 
     started = time.perf_counter()
-    summary = train_and_eval(config=str(env.config_path), overrides=overrides or {}, until=until)
+    summary = train_and_eval(config_path=str(env.config_path), overrides=overrides or {}, until=until)
     return summary, time.perf_counter() - started
 
 

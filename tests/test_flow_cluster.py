@@ -154,7 +154,7 @@ def _run_cycle_and_check(
 
     summary: dict[str, Any] = train_and_eval(
         until="train",
-        config=str(config_path),
+        config_path=str(config_path),
         num_samples=16,
         overrides={
             "storage.root": f"s3://{BUCKET}/runs",

@@ -35,7 +35,7 @@ def test_deployment_run_completes_the_cycle(
             "DRAFTLOOP_STATE_DIR": flow_env.env["DRAFTLOOP_STATE_DIR"],
         }
         prefect = str(Path(sys.executable).parent / "prefect")
-        params = json.dumps({"config": str(flow_env.config_path)})
+        params = json.dumps({"config_path": str(flow_env.config_path)})
         done = subprocess.run(
             [prefect, "deployment", "run", "train-and-eval/train-and-eval", "--params", params, "--watch"],
             env={**os.environ, **env},

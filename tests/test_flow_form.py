@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import yaml
 from prefect.utilities.callables import parameter_schema
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 
 from draftloop.flows.cycle import TrainAndEvalParams, run_cycle
 from draftloop.flows.pipeline import CYCLE
@@ -25,6 +27,7 @@ def test_form_fields_are_flat_with_config_defaults() -> None:
     fields: dict[str, Any] = schema["properties"]
     assert set(fields) == {
         "config",
+        "config_path",
         "target_path",
         "num_samples",
         "epochs",
@@ -47,6 +50,72 @@ def test_form_fields_are_flat_with_config_defaults() -> None:
         assert "\n" not in field["description"]
     assert fields["num_samples"]["type"] == "integer"
     assert fields["overrides"]["type"] == "object"
+
+
+def _registered_here() -> list[str]:
+    """The engines infra/engines/ registers (not a test's fake one)."""
+    from draftloop.infra.engines.base import engine_class, known_engines
+
+    return [kind for kind in known_engines() if engine_class(kind).__module__.startswith("draftloop.infra")]
+
+
+def test_choices_are_dropdowns_of_what_exists() -> None:
+    """Enums (Prefect's dropdowns): every shipped config, every registered engine, every stage in order."""
+    fields = parameter_schema(train_and_eval).model_dump_for_openapi()["properties"]
+    shipped = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "configs").glob("*.yaml"))
+    assert sorted(fields["config"]["enum"]) == shipped
+    assert fields["config"]["default"] in shipped
+    assert sorted(fields["engine_kind"]["enum"]) == sorted(_registered_here())
+    assert fields["until"]["enum"] == list(CYCLE.names)
+    assert fields["config_path"]["type"] == "string" and "enum" not in fields["config_path"]
+
+
+def test_numbers_carry_the_configs_limits_and_every_field_a_title() -> None:
+    from draftloop.infra.runtime.config import DataConfig, EngineConfig, TrainingConfig
+
+    fields = parameter_schema(train_and_eval).model_dump_for_openapi()["properties"]
+
+    def lower_limit(model: type[BaseModel], name: str) -> int:
+        return next(item.ge for item in model.model_fields[name].metadata if hasattr(item, "ge"))
+
+    for name, model, key in (
+        ("num_samples", DataConfig, "num_samples"),
+        ("epochs", TrainingConfig, "epochs"),
+        ("num_speculative_tokens", EngineConfig, "num_speculative_tokens"),
+    ):
+        assert fields[name]["minimum"] == lower_limit(model, key), name
+        assert fields[name]["maximum"] > fields[name]["default"], name
+    assert fields["num_speculative_tokens"]["maximum"] == 16
+    for name, field in fields.items():
+        assert field["title"] != name and field["title"][0].isupper(), (name, field["title"])
+
+
+@pytest.mark.parametrize(
+    ("parameters", "named"),
+    [
+        ({"num_samples": 0}, "num_samples"),
+        ({"epochs": 1001}, "epochs"),
+        ({"engine_kind": "vlm"}, "engine_kind"),
+        ({"until": "deploy"}, "until"),
+        ({"config": "configs/missing.yaml"}, "config"),
+    ],
+)
+def test_a_bad_value_is_refused_by_the_schema_and_by_the_flow(parameters: dict[str, Any], named: str) -> None:
+    """What Prefect's server checks a deployment run against (the UI form the same), and the flow's own
+    validation of a direct call (pydantic, from the same signature)."""
+    from prefect.utilities.schema_tools.validation import ValidationError, validate
+    from pydantic import validate_call
+
+    schema = parameter_schema(train_and_eval).model_dump_for_openapi()
+    validate({"num_samples": 8, "until": "extract"}, schema, raise_on_error=True)  # a good one passes
+    with pytest.raises(ValidationError, match=named):
+        validate(parameters, schema, raise_on_error=True)
+    with pytest.raises(PydanticValidationError, match=named):
+        validate_call(train_and_eval.fn)(**parameters)
+
+
+def test_config_path_replaces_the_shipped_config() -> None:
+    assert TrainAndEvalParams(config="/elsewhere/c.yaml").config == "/elsewhere/c.yaml"
 
 
 def test_fields_left_at_defaults_keep_the_chosen_configs_values() -> None:

@@ -182,7 +182,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         PROGRESS_LOG.addHandler(bars_handler)
         try:
             # absolute: the flow resolves the config's paths against its folder, not the cwd
-            summary = train_and_eval(config=str(config_path.resolve()), overrides=overrides, until=until)
+            summary = train_and_eval(config_path=str(config_path.resolve()), overrides=overrides, until=until)
         except Exception as error:
             progress.stop()
             bad_input = bad_input_behind(error)

@@ -20,10 +20,11 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME, MLFLOW_RUN_NOTE
 
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.redaction import redact, redact_text, redacted_copy
+from draftloop.infra.runtime.services import served_tracking_uri
 
 # The experiment-type tag MLflow 3's UI reads: without it the UI may infer "GenAI" and open on an empty
 # traces view; "custom_model_development" opens on the runs table (MLflow has no Python constant for it).
@@ -152,15 +153,23 @@ class Tracker:
     """One parent run per cycle, one nested run per stage, all in the config's experiment."""
 
     def __init__(self, tracking_uri: str, artifact_root: str, experiment: str) -> None:
-        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        store = resolve_tracking_uri(tracking_uri)
+        served = served_tracking_uri(store)
+        # While `draftloop up`'s MLflow server serves this SQLite file, everything goes through it, so
+        # runs and versions have UI links; the experiment keeps the artifact folder the file store would
+        # give it (the server is on this machine).
+        self.tracking_uri = served or store
+        location = (
+            resolve_artifact_root(artifact_root)
+            if served
+            else experiment_artifact_location(store, artifact_root)
+        )
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         if found is None:
             try:
                 self.experiment_id = self.client.create_experiment(
-                    experiment,
-                    artifact_location=experiment_artifact_location(self.tracking_uri, artifact_root),
-                    tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND},
+                    experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}
                 )
             except MlflowException:  # created concurrently by another process
                 found = self.client.get_experiment_by_name(experiment)
@@ -185,6 +194,11 @@ class Tracker:
         handle = StageRun(self.client, run.info.run_id, "cycle")
         handle.log_params(params)
         return handle
+
+    def describe_cycle(self, text: str) -> None:
+        """The cycle run's description (MLflow's run page shows `mlflow.note.content` as markdown)."""
+        if self.parent_run_id is not None:
+            self.client.set_tag(self.parent_run_id, MLFLOW_RUN_NOTE, redact_text(text)[:5000])
 
     def record_registration(self, model: str, version: str, champion: bool) -> None:
         """The cycle run's registry columns (MLflow has no documented per-experiment default columns, so

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from draftloop.infra.runtime.mlflow_landing import LANDING_EXPERIMENT_ENV
 from draftloop.infra.runtime.ports import free_port
 from draftloop.infra.runtime.processes import is_alive, state_dir, stop_processes
 
@@ -48,6 +49,9 @@ class Service:
     pid: int
     url: str | None
     log: str
+    # MLflow (local profile): the SQLite store it serves, so clients of that store log through it instead
+    # (`served_tracking_uri`). None elsewhere: a team database URL may hold a password.
+    store: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,39 @@ def _record(service: Service, root: Path | None) -> None:
     (folder / f"{service.name}.pid").write_text(str(service.pid))
 
 
+def running_service(name: str, health_path: str, root: Path | None = None) -> Service | None:
+    """The service `up` recorded as `name`, when its process lives and `<url><health_path>` answers."""
+    service = read_services(root).get(name)
+    if service is None or service.url is None or not is_alive(service.pid):
+        return None
+    try:
+        answered = httpx.get(f"{service.url}{health_path}", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        answered = False
+    return service if answered else None
+
+
+def served_tracking_uri(store_uri: str, root: Path | None = None) -> str | None:
+    """The URL of `up`'s MLflow server when it serves the tracking store `store_uri` (the same SQLite
+    file), else None. Runs logged through it get links people can open (a file store has no UI URL)."""
+    if not store_uri.startswith("sqlite:///"):
+        return None
+    service = running_service("mlflow", "/health", root)
+    if service is None or service.store is None:
+        return None
+    return service.url if _sqlite_path(service.store) == _sqlite_path(store_uri) else None
+
+
+def _sqlite_path(uri: str) -> Path:
+    return Path(uri.removeprefix("sqlite:///")).resolve()
+
+
+def served_prefect_api(root: Path | None = None) -> str | None:
+    """The API URL of `up`'s Prefect server while it answers, else None."""
+    service = running_service("prefect-server", "/api/health", root)
+    return f"{service.url}/api" if service is not None else None
+
+
 def _bin(name: str) -> str:
     """An executable of this interpreter's environment (prefect, mlflow)."""
     candidate = Path(sys.executable).parent / name
@@ -143,15 +180,24 @@ def base_env(root: Path | None = None) -> dict[str, str]:
             "PREFECT_HOME": str(state_dir(root) / "prefect-server"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
-            "MLFLOW_DISABLE_TELEMETRY": "true",
             "DRAFTLOOP_ROOT": str((root or Path.cwd()).resolve()),
             "DO_NOT_TRACK": "1",
         }
     )
+    # MLflow's telemetry (its server, its UI and clients) is off unless the user turns it on with
+    # MLFLOW_DISABLE_TELEMETRY=false; MLflow reads DO_NOT_TRACK only as "true", not the "1" above.
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     return env
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str], root: Path | None, url: str | None) -> Service:
+def _spawn(
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    root: Path | None,
+    url: str | None,
+    store: str | None = None,
+) -> Service:
     folder = services_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{name}.log"
@@ -165,7 +211,7 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], root: Path | None, u
             cwd=str((root or Path.cwd()).resolve()),
             start_new_session=True,  # its own process group: `down` stops its children too
         )
-    service = Service(name=name, pid=process.pid, url=url, log=str(log_path))
+    service = Service(name=name, pid=process.pid, url=url, log=str(log_path), store=store)
     _record(service, root)
     return service
 
@@ -185,10 +231,21 @@ def _wait_http(url: str, service: Service, timeout_s: float) -> None:
     raise TimeoutError(f"{service.name} did not answer {url} within {timeout_s:.0f} s (log: {service.log})")
 
 
+# The MLflow app `up` serves (`mlflow server --app-name`, the `mlflow.app` entry point in pyproject.toml):
+# MLflow's own, its root opening on the cycles' experiment in model-training mode (mlflow_landing.py).
+MLFLOW_APP = "draftloop"
+
+
 def mlflow_server_command(
-    port: int, backend_store_uri: str, artifact_flag: str, artifacts: str, host: str = "127.0.0.1"
+    port: int,
+    backend_store_uri: str,
+    artifact_flag: str,
+    artifacts: str,
+    host: str = "127.0.0.1",
+    experiment: str = "draftloop",
 ) -> list[str]:
-    """A light `mlflow server` on `host`:`port` for one machine or a small team.
+    """A light `mlflow server` on `host`:`port` for one machine or a small team, its UI opening on
+    `experiment` (the draftloop app, infra/runtime/mlflow_landing.py).
 
     One worker process, and MLflow 3's job execution off (MLFLOW_SERVER_ENABLE_JOB_EXECUTION: its job
     runner and seven Huey consumers serve GenAI scorers draftloop does not use; with them the server
@@ -202,8 +259,11 @@ def mlflow_server_command(
         shutil.which("env") or "/usr/bin/env",
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false",
         f"MLFLOW_BACKEND_STORE_URI={backend_store_uri}",
+        f"{LANDING_EXPERIMENT_ENV}={experiment}",
         _bin("mlflow"),
         "server",
+        "--app-name",
+        MLFLOW_APP,
         "--host",
         host,
         "--port",
@@ -296,12 +356,15 @@ def up(
     team: TeamBackends | None = None,
     gpus: int | None = None,
     host: str = "127.0.0.1",
+    experiment: str = "draftloop",
 ) -> dict[str, Service]:
     """Start the Prefect server, create the pool, the `gpus` limit (`gpus` slots, default: this
     machine's GPUs; none when 0), deploy prefect.yaml, start a worker and the MLflow server.
 
     With `team`, Prefect and MLflow keep their state in its PostgreSQL databases and MLflow proxies
-    artifacts to its store; otherwise `mlflow_uri` and `artifact_root` (local SQLite and folder).
+    artifacts to its store; otherwise `mlflow_uri` and `artifact_root` (local SQLite and folder): cycles
+    tracking into that SQLite file then log through the server (`served_tracking_uri`). MLflow's UI
+    opens on `experiment`.
     """
     running = {name: svc for name, svc in read_services(root).items() if is_alive(svc.pid)}
     env = base_env(root)
@@ -332,6 +395,7 @@ def up(
             picked = [urlsplit(svc.url).port or 0 for svc in services.values() if svc.url]
             port = port_or_free(mlflow_port, host, avoid=picked)
             mlflow_env = dict(env)
+            store: str | None = None
             if team is not None:
                 command = mlflow_server_command(
                     port,
@@ -339,18 +403,18 @@ def up(
                     "--artifacts-destination",
                     team.mlflow_artifacts,
                     host,
+                    experiment,
                 )
                 if team.s3_endpoint_url:
                     mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = team.s3_endpoint_url
             else:
+                store = _local_sqlite(mlflow_uri, root)
                 command = mlflow_server_command(
-                    port,
-                    _local_sqlite(mlflow_uri, root),
-                    "--default-artifact-root",
-                    _local(artifact_root, root),
-                    host,
+                    port, store, "--default-artifact-root", _local(artifact_root, root), host, experiment
                 )
-            services["mlflow"] = _spawn("mlflow", command, mlflow_env, root, url=f"http://{shown}:{port}")
+            services["mlflow"] = _spawn(
+                "mlflow", command, mlflow_env, root, url=f"http://{shown}:{port}", store=store
+            )
         if "prefect-server" not in running:
             _wait_http(
                 f"{services['prefect-server'].url}/api/health", services["prefect-server"], timeout_s=180
