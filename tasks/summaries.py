@@ -111,7 +111,7 @@ TRAINING_FIGURES = (
     Figure("epochs", "epochs"),
     Figure("final_loss", "final loss"),
     Figure("loss_per_epoch", "loss per epoch"),
-    Figure("final_accuracy", "final accuracy"),
+    Figure("final_accuracy", "final accuracy per TTT step"),
     Figure("held_out_acceptance_length", "held-out AL per epoch"),
     Figure("exported_epoch", "exported epoch"),
     Figure("tokens_per_s", "tokens/s"),

@@ -43,7 +43,7 @@ def produce(request: StageRequest) -> Manifest:
     config, work, hidden = request.config, request.work, request.inputs["hidden"]
     folder = work_dir(config, work.key)
     folder.mkdir(parents=True, exist_ok=True)
-    final = fit(config, loop_config(config, hidden, folder), work.key, request.pids)
+    final = fit(config, loop_config(config, hidden, folder), work.key, request.pids, request.run)
     stored = store_drafter(config, final, work.uri, request.run)
     summary = {**stored.summary, "extraction_mode": "offline"}
     return stored.writer.commit("train", inputs=work.inputs, summary=summary)

@@ -73,7 +73,7 @@ def produce(request: StageRequest) -> Manifest:
         ) as stream:
             with stream.watch:
                 job = TrainingJob.from_config(config, stream.hidden, folder, record)
-                final = fit(config, job, work.key, request.pids)
+                final = fit(config, job, work.key, request.pids, request.run)
             report = stream.report(commit_cache(stream, work.inputs))
     except StreamRefused as error:
         raise StageError("train", str(error)) from error

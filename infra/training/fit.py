@@ -26,6 +26,7 @@ from draftloop.infra.runtime.processes import PidRecord, state_dir
 from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.infra.runtime.storage import DatasetWriter, storage_options
 from draftloop.infra.training.job import TrainingJob
+from draftloop.infra.training.progress import epoch_reporter, step_metrics, watch_epochs
 from draftloop.infra.training.worker import JOB_KEY, train_loop_per_worker
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -51,8 +52,11 @@ def work_dir(config: ExperimentConfig, key: str) -> Path:
     return state_dir() / "work" / str(config.name) / "train" / key
 
 
-def fit(config: ExperimentConfig, job: TrainingJob, key: str, pids: PidRecord) -> Path:
-    """Train with Ray Train; the folder holding the drafter and result.json (rank 0's)."""
+def fit(
+    config: ExperimentConfig, job: TrainingJob, key: str, pids: PidRecord, run: StageRun | None = None
+) -> Path:
+    """Train with Ray Train; the folder holding the drafter and result.json (rank 0's). Each epoch is
+    reported while training runs: a line in the stage's log, its metrics into `run`."""
     ensure_ray(config.ray.address, pids)
     section = config.training
     gpus = float(section.num_gpus_per_worker)
@@ -71,7 +75,8 @@ def fit(config: ExperimentConfig, job: TrainingJob, key: str, pids: PidRecord) -
             failure_config=FailureConfig(max_failures=WORKER_RESTARTS),
         ),
     )
-    trainer.fit()
+    with watch_epochs(job.work_dir, epoch_reporter(run)):
+        trainer.fit()
     final = job.work_dir / "final"
     if not (final / "result.json").exists():
         raise TrainingFailed(f"training finished without a drafter in {final}")
@@ -91,15 +96,7 @@ def store_drafter(config: ExperimentConfig, final: Path, uri: str, run: StageRun
     """The drafter, its history and curves into the stage's dataset at `uri` (not committed), the
     curves and per-step and per-epoch figures into the stage's MLflow run; the summary's figures."""
     result = json.loads((final / "result.json").read_text())
-    history = [
-        {
-            "step": r["step"],
-            "loss": r["loss"],
-            "lr": r["lr"],
-            **{f"acc_{i}": a for i, a in enumerate(r["acc"])},
-        }
-        for r in result["history"]
-    ]
+    history = [step_metrics(r) for r in result["history"]]
     held_out = [
         {"epoch": e["epoch"], "held_out_acceptance_length": e["held_out_acceptance_length"]}
         for e in result["epochs"]
@@ -108,8 +105,11 @@ def store_drafter(config: ExperimentConfig, final: Path, uri: str, run: StageRun
     writer = DatasetWriter(uri, storage_options=storage_options(config))
     with tempfile.TemporaryDirectory(prefix="draftloop-train-") as scratch:
         curves = plot_training_curves(history, Path(scratch) / "training_curves.png")
-        run.log_metric_history(history)
-        run.log_metric_history(held_out, step_key="epoch")
+        # What `fit` did not stream already (an earlier attempt's epochs, before a resume).
+        streamed = {m.step for m in run.client.get_metric_history(run.run_id, "loss")}
+        run.log_metric_history([row for row in history if row["step"] not in streamed])
+        streamed = {m.step for m in run.client.get_metric_history(run.run_id, "held_out_acceptance_length")}
+        run.log_metric_history([row for row in held_out if row["epoch"] not in streamed], step_key="epoch")
         run.log_artifact(curves, "plots")  # the drafter: logged once, as register's model
         for name in DRAFTER_FILES:
             writer.write_shard(name, (final / "drafter" / name).read_bytes(), rows=0)

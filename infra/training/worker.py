@@ -25,6 +25,7 @@ import torch.distributed as dist
 from draftloop.infra.engines.base import get_engine
 from draftloop.infra.training.best_epoch import BestEpoch, exported_epoch
 from draftloop.infra.training.job import TrainingJob
+from draftloop.infra.training.progress import EpochProgress, append_epoch, step_metrics
 from draftloop.infra.training.sources import (
     TRAFFIC_FIELDS,
     StreamTraffic,
@@ -145,8 +146,15 @@ def train_worker(
     best = BestEpoch.load(work) if checkpoint is not None else BestEpoch()
     head_on_device = lm_head.to(device) if held_out else lm_head
 
+    epoch_steps: list[dict[str, float]] = []  # rank 0: this epoch's step records, for the driver's log
+
+    def on_step(step: int, record: dict[str, Any]) -> None:
+        if rank == 0:
+            epoch_steps.append(step_metrics(record))
+
     def on_epoch(epoch: int, summary: dict[str, Any]) -> None:
         figures = {"epoch": epoch, "loss": float(summary["loss"]), "steps": int(summary["steps"])}
+        length = None
         if held_out:
             drafter.eval()
             estimate = teacher_forced_acceptance(drafter, held_out, head_on_device, k=job.acceptance_k)
@@ -156,6 +164,11 @@ def train_worker(
             figures["held_out_acceptance_length"] = float(length or 0.0)
             best.offer(work, epoch, length, drafter)
         report(figures)
+        if rank == 0:  # the driver tails this while training runs (infra/training/progress.py)
+            append_epoch(
+                work, EpochProgress(epoch, settings.epochs, figures["loss"], length, list(epoch_steps))
+            )
+            epoch_steps.clear()
 
     def on_checkpoint(state: dict[str, Any]) -> None:
         if rank != 0:
@@ -179,6 +192,7 @@ def train_worker(
         device=device,
         rank=rank,
         world=world,
+        on_step=on_step,
         on_epoch=on_epoch,
         on_checkpoint=on_checkpoint,
         resume_state=resume_state,
