@@ -76,6 +76,16 @@ def _fake_up(seen: dict[str, Any]) -> Any:
     return start
 
 
+def _fake_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experiment's pages without a server (the slow test below creates them through one)."""
+    from draftloop.commands.services import ExperimentPages
+
+    def pages(mlflow_url: str, team: object) -> ExperimentPages:
+        return ExperimentPages("draftloop", f"{mlflow_url}/#/experiments/7/runs", f"{mlflow_url}/#/models/m")
+
+    monkeypatch.setattr("draftloop.commands.services.experiment_pages", pages)
+
+
 def _printed_run_command(output: str) -> list[str]:
     lines = [line.strip() for line in output.splitlines() if line.strip().startswith("env PREFECT_API_URL=")]
     assert len(lines) == 1, output
@@ -85,8 +95,15 @@ def _printed_run_command(output: str) -> list[str]:
 def test_up_prints_a_copy_paste_command_for_a_small_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
     monkeypatch.setattr("draftloop.commands.services.start_services", _fake_up(seen))
+    _fake_pages(monkeypatch)
     result = CliRunner().invoke(app, ["up", "--gpus", "2", "--no-worker"])
     assert result.exit_code == 0, result.output
+    # The pages people open: the experiment's runs and the registered model, not MLflow's root.
+    assert (
+        "MLflow runs of experiment 'draftloop': http://127.0.0.1:5000/#/experiments/7/runs" in result.output
+    )
+    assert "http://127.0.0.1:5000/#/models/m" in result.output
+    assert seen["experiment"] == "draftloop"
     assert seen["team"] is None and seen["gpus"] == 2 and seen["start_worker"] is False
     words = _printed_run_command(result.output)
     assert words[:2] == ["env", "PREFECT_API_URL=http://127.0.0.1:4200/api"]
@@ -104,6 +121,7 @@ def test_team_profile_takes_its_backends_from_the_environment(monkeypatch: pytes
     monkeypatch.setenv("DRAFTLOOP_PREFECT_DATABASE_URL", "postgresql://team:s3cret@db:5432/prefect")
     monkeypatch.setenv("DRAFTLOOP_MLFLOW_DATABASE_URL", "postgresql://team:s3cret@db:5432/mlflow")
     monkeypatch.setenv("DRAFTLOOP_MLFLOW_ARTIFACTS", "s3://team-bucket/mlartifacts")
+    _fake_pages(monkeypatch)
     result = CliRunner().invoke(app, ["up", "--profile", "team", "--gpus", "0"])
     assert result.exit_code == 0, result.output
     team = seen["team"]
@@ -284,6 +302,15 @@ def test_up_starts_a_light_mlflow_and_the_gpu_limit_a_stage_holds(
             timeout=30,
         )
         assert found.json()["experiment"]["experiment_id"] == created.json()["experiment_id"]
+        # A tracker of the SQLite file the server serves logs through the server (UI links), and the
+        # root page opens the UI in model-training mode on the experiment (infra/runtime/mlflow_landing.py).
+        from draftloop.infra.registry.runs import Tracker
+
+        tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path / "mlartifacts"), "draftloop")
+        assert tracker.tracking_uri == mlflow.url
+        root = httpx.get(f"{mlflow.url}/", timeout=30).text
+        assert '"mlflow.workflowType_v1"' in root and '"\\"machine_learning\\""' in root
+        assert f"#/experiments/{tracker.experiment_id}/runs" in root
         tree = _process_tree(mlflow.pid)
         commands = [command for _, command, _ in tree]
         assert not any("huey" in command for command in commands), commands

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from draftloop.commands.config_cmd import load_config_or_exit, parse_set_options, read_data_or_exit
 from draftloop.infra.runtime.processes import state_dir
+from draftloop.infra.runtime.services import served_prefect_api
 
 # The demo's config: a tiny random-weight Llama built locally, served by vLLM on CPU.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
@@ -86,6 +87,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
             table.add_row("gate: rejected", reason)
         for note in gate.get("notes", []):
             table.add_row("gate: note", note)
+    for label, url in (summary.get("links") or {}).items():  # MLflow pages, while `up`'s server runs
+        table.add_row(label, url)
     table.add_row("total", f"{summary.get('total_seconds', 0):.1f} s")
     table.add_row("summary.json", f"{summary.get('run_folder')}/summary.json")
     return table
@@ -149,6 +152,13 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
     state = state_dir()
     for key, value in _embedded_defaults(state).items():
         os.environ.setdefault(key, value)
+    # While `draftloop up`'s Prefect server runs, the cycle runs on it (one history, the `gpus` limit
+    # shared with the deployments' runs, a flow-run page the MLflow run links to); a set
+    # PREFECT_API_URL wins. (Its MLflow server is found by the tracker: infra/registry/runs.py.)
+    served = served_prefect_api()
+    if served and "PREFECT_API_URL" not in os.environ:
+        os.environ["PREFECT_API_URL"] = served
+        console.print(f"Prefect: the server of `draftloop up`, {served}")
     # Prefect creates PREFECT_HOME on import without its parents (a warning on a fresh checkout), and
     # sqlite will not create it either: made here, once the config is accepted.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
+from draftloop.infra.runtime.config import TrackingConfig
 from draftloop.infra.runtime.services import (
     GPU_LIMIT,
     PROFILES,
@@ -66,6 +69,36 @@ def team_backends(
     return TeamBackends(databases[0], databases[1], artifacts, s3_endpoint_url or None)
 
 
+# The shipped default config's tracking: the experiment `up` opens MLflow on, the model it links.
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
+_DEFAULT_RAW = yaml.safe_load(DEFAULT_CONFIG_FILE.read_text())
+DEFAULT_TRACKING = TrackingConfig.model_validate(_DEFAULT_RAW["tracking"])
+DEFAULT_MODEL = DEFAULT_TRACKING.registered_model or f"drafter-{_DEFAULT_RAW['name']}"
+
+
+@dataclass(frozen=True)
+class ExperimentPages:
+    experiment: str
+    runs: str  # the experiment's runs table
+    model: str  # the registered model's page
+
+
+def experiment_pages(mlflow_url: str | None, team: TeamBackends | None) -> ExperimentPages:
+    """The default experiment, created through the server now (model-training kind, so the first page
+    people open is not empty of meaning), and its pages' URLs."""
+    from draftloop.infra.registry.runs import Tracker
+
+    assert mlflow_url is not None
+    # Local profile: the SQLite file the server serves, which Tracker routes through the server.
+    store = mlflow_url if team is not None else DEFAULT_TRACKING.mlflow_uri
+    tracker = Tracker(store, DEFAULT_TRACKING.artifact_root, DEFAULT_TRACKING.experiment)
+    return ExperimentPages(
+        experiment=DEFAULT_TRACKING.experiment,
+        runs=f"{mlflow_url}/#/experiments/{tracker.experiment_id}/runs",
+        model=f"{mlflow_url}/#/models/{DEFAULT_MODEL}",
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add `up` and `down` to the `draftloop` app."""
 
@@ -116,10 +149,12 @@ def register(app: typer.Typer) -> None:
                 team=team,
                 gpus=slots,
                 host=host,
+                experiment=DEFAULT_TRACKING.experiment,
             )
         except (RuntimeError, TimeoutError) as error:
             console.print(f"[red]draftloop up failed:[/red] {error}")
             raise typer.Exit(1) from error
+        landing = experiment_pages(services["mlflow"].url, team)
         table = Table(title=f"draftloop services ({profile} profile)")
         for column in ("service", "pid", "url", "log"):
             table.add_column(column)
@@ -128,7 +163,10 @@ def register(app: typer.Typer) -> None:
         console.print(table)
         api = services["prefect-server"].url
         mlflow_url = services["mlflow"].url
-        console.print(f"Prefect UI: {api}   MLflow UI: {mlflow_url}   pool: {WORK_POOL}")
+        # Plain print: a URL rich wraps at the terminal's edge no longer opens.
+        print(f"Prefect UI: {api}   (pool: {WORK_POOL})")
+        print(f"MLflow runs of experiment {landing.experiment!r}: {landing.runs}")
+        print(f"MLflow registered model (after the first registered cycle): {landing.model}")
         if slots:
             console.print(f"Concurrency limit `{GPU_LIMIT}`: {slots} slots; a GPU stage waits for free GPUs.")
         params: dict[str, Any] = dict(QUICK_RUN_PARAMS)
