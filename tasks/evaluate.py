@@ -21,6 +21,7 @@ from draftloop.infra.runtime.processes import state_dir
 from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
 from draftloop.infra.synthesis.conversations import read_eval_prompts
+from draftloop.infra.synthesis.long_context import long_context_key_fields, long_context_rows
 from draftloop.infra.targets.resolve import ensure_target
 from draftloop.tasks.stage import Figure, Stage, StageRequest
 from draftloop.tasks.summaries import EvaluationSummary
@@ -43,7 +44,8 @@ def produce(request: StageRequest) -> Manifest:
     drafter_dir = download_shards(
         drafter.manifest, run_dir / "drafter", drafter.manifest.summary["drafter_files"], options
     )
-    rows = read_eval_prompts(conversations.manifest, options)
+    # the held-out prompts, then the long-context set when the evaluation asks for one
+    rows = read_eval_prompts(conversations.manifest, options) + long_context_rows(config, target_path)
     prompts = [row["prompt"] for row in rows]
     categories = [row.get("category") or "uncategorized" for row in rows]
     engine = get_engine(config.engine.kind, config.engine_settings())
@@ -81,6 +83,7 @@ STAGE = Stage(
     summary=EvaluationSummary,
     sections=("target", "engine", "evaluation"),
     inputs={"drafter": "train", "conversations": "synthesize"},
+    key_fields=long_context_key_fields,  # the long-context set's text, when it is on
     gpus=lambda config: float(config.engine.num_gpus),  # the baseline server, then the speculative one
     figures=(
         Figure("verdict", "verdict"),

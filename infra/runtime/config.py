@@ -46,7 +46,13 @@ from draftloop.infra.engines.pairing import FineTuneContract, check_drafter_cont
 from draftloop.infra.targets import zoo
 from draftloop.infra.targets.support import TargetRefusedError, refuse_unsupported_target, target_model_config
 from draftloop.kernels.drafter import DrafterConfig
-from draftloop.kernels.families.base import TargetFamily, UnknownFamilyError, family_for_config
+from draftloop.kernels.families.base import (
+    TargetFamily,
+    UnknownFamilyError,
+    config_value,
+    family_for_config,
+    language_model_config,
+)
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import LrSchedule, TrainConfig
 
@@ -279,6 +285,11 @@ class EvaluationConfig(_Section):
     tpot_target_s: float | None = Field(default=None, gt=0)
     # k values served and measured (None = just engine.num_speculative_tokens; that k is always included).
     speculative_tokens_sweep: list[int] | None = None
+    # Long-context prompts added to the held-out ones (infra/synthesis/long_context.py): these lengths in
+    # target tokens (e.g. [2048, 4096, 8192]; empty = none), `long_context_prompts` of each, categories
+    # long_2k, ... in the report. Each length plus max_tokens must fit the engine and the RoPE lengths.
+    long_context_tokens: list[Annotated[int, Field(ge=256, le=16384)]] = Field(default_factory=list)
+    long_context_prompts: int = Field(default=2, ge=1, le=16)
     gate: GateConfig = Field(default_factory=GateConfig)
 
     @field_validator("speculative_tokens_sweep")
@@ -415,6 +426,7 @@ class ExperimentConfig(_Section):
         self._check_drafter_init(hidden_size, check_environment)
         self._check_drafter_variant()
         self._check_prompts_source()
+        self._check_long_context()
         if check_environment:
             self._check_engine_python()
             check_storage_root(self.storage.root, self.storage.s3_endpoint_url)
@@ -525,6 +537,39 @@ class ExperimentConfig(_Section):
         except ValueError as error:
             raise ConfigError("training.drafter", str(error)) from None
 
+    def _check_long_context(self) -> None:
+        """Each long-context prompt plus its answer (and the largest k) within the served length and the
+        RoPE lengths of the target and of the drafter (a fresh one takes the target's)."""
+        lengths, evaluation = self.evaluation.long_context_tokens, self.evaluation
+        if not lengths:
+            return
+        largest_k = max([self.engine.num_speculative_tokens, *(evaluation.speculative_tokens_sweep or [])])
+        needed = max(lengths) + evaluation.max_tokens + largest_k
+        need = (
+            f"prompts of {max(lengths)} tokens + evaluation.max_tokens {evaluation.max_tokens} + k "
+            f"{largest_k} need {needed} positions"
+        )
+        limits = {"engine.max_model_len": self.engine.max_model_len}
+        try:
+            target = language_model_config(target_model_config(self.target.path, self.target.create))
+            rope = config_value(target, "max_position_embeddings", None)
+            limits["the target's max_position_embeddings"] = rope
+        except (OSError, ValueError):
+            pass  # an unreadable target config is refused by its own check
+        init = Path(self.training.drafter_init or "") / "config.json"
+        if self.training.drafter_init is not None and init.is_file():
+            try:
+                drafter = json.loads(init.read_text())
+            except (OSError, ValueError):
+                drafter = {}  # refused by _check_drafter_init
+            layer = drafter.get("transformer_layer_config") or {}  # the speculators format nests it
+            limits[f"max_position_embeddings in {init}"] = drafter.get(
+                "max_position_embeddings", layer.get("max_position_embeddings")
+            )
+        for limit, positions in limits.items():
+            if positions is not None and needed > int(positions):
+                raise ConfigError("evaluation.long_context_tokens", f"{need}, beyond {limit} {positions}")
+
     def _check_prompts_source(self) -> None:
         source = self.data.prompts
         if source != "builtin" and not _is_uri(source) and not Path(source).is_file():
@@ -606,7 +651,10 @@ class ExperimentConfig(_Section):
 # training resumes from its checkpoints on another number of workers (its steps do not depend on it).
 # Fields added after runs were cached: at their default they leave the section's hash as it was, so a
 # config that does not use them keeps its finished stages.
-_ADDED_FIELDS: dict[str, dict[str, Any]] = {"training": {"drafter": "eagle3", "drafter_options": {}}}
+_ADDED_FIELDS: dict[str, dict[str, Any]] = {
+    "training": {"drafter": "eagle3", "drafter_options": {}},
+    "evaluation": {"long_context_tokens": [], "long_context_prompts": 2},
+}
 _PLACEMENT_FIELDS = {"training": ("num_workers", "num_gpus_per_worker")}
 
 

@@ -67,7 +67,9 @@ class Recipe:
 
 _COMMON_FIELDS: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 2048,
+    # room for the long-context evaluation set (8k-token prompts and their answers); default RoPE does not
+    # depend on it, so the weights and every shorter computation are the same as at 2048
+    "max_position_embeddings": 16384,
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
     "tie_word_embeddings": False,
@@ -143,8 +145,9 @@ RECIPES: dict[str, Recipe] = {
     ),
     # Gemma 3 (Gemma3TextConfig / Gemma3ForCausalLM): an embedding scaled by sqrt(hidden), pre- and post-norms
     # around both sublayers with (1 + weight) gains, GELU-tanh MLPs, per-head query/key norms, sliding-window
-    # layers (a window longer than any context here). vLLM 0.32 has no SupportsEagle3 on its Gemma 3
-    # class: draftloop's plugin (eagle3_enabler) adds it. An untied head, as the other recipes.
+    # layers (4096: longer than any context but the 8k long-context prompts). vLLM 0.32 has no
+    # SupportsEagle3 on its Gemma 3 class: draftloop's plugin (eagle3_enabler) adds it. An untied head, as
+    # the other recipes.
     "tiny-gemma3": Recipe(
         name="tiny-gemma3",
         model_type="gemma3_text",
