@@ -1,13 +1,16 @@
 """`draftloop status`: the experiment's recent cycles from MLflow, newest first, with their verdicts.
 
 Each cycle is one parent run (tag `draftloop.kind = cycle`); its figures come from the `summary.json`
-the flow logs on it (also for a failed cycle), or from the run's metrics while that is missing.
+the flow logs on it (also for a failed cycle), or from the run's metrics while that is missing. The table
+fits 80 columns: one short cell per figure, and what does not fit a cell (a gate's reason, a flagged
+speedup, the model's name) in notes under it.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -29,7 +32,7 @@ CYCLE_FILTER = "tags.`draftloop.kind` = 'cycle'"
 class CycleRow:
     """One line of `draftloop status`."""
 
-    started: str  # local time, minutes
+    started: str  # local time, month-day hours:minutes
     name: str
     status: str  # MLflow run status, lower case: finished, failed, killed, running
     verdict: str
@@ -72,7 +75,7 @@ def cycle_row(client: Any, run: Any) -> CycleRow:
         model_version = "-"
         gate = f"not registered (until {until})" if until != "register" else "-"
     return CycleRow(
-        started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M"),
+        started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%m-%d %H:%M"),
         name=run.info.run_name or run.info.run_id,
         status=str(run.info.status).lower(),
         verdict=str(summary.get("verdict") or "-"),
@@ -104,31 +107,78 @@ def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleR
     return [cycle_row(client, run) for run in runs]
 
 
+FLAGGED = "*"  # marks a speedup not to act on (inconclusive, a measurement error): the notes say which
+
+
+def _result(row: CycleRow) -> str:
+    """How the cycle ended: running, failed, killed, or (finished) its evaluation verdict, or the stage
+    a partial cycle stopped after (`until train`)."""
+    if row.status != "finished":
+        return row.status
+    if row.gate.startswith("not registered (until "):
+        return row.gate.removeprefix("not registered (").removesuffix(")")
+    return row.verdict if row.verdict != "-" else "finished"
+
+
+def _gate(row: CycleRow) -> tuple[str, str | None]:
+    """The gate cell (champion, rejected, -) and the note that explains it, if any."""
+    if row.gate.startswith("passed"):
+        return "champion", None
+    if row.gate.startswith("rejected: "):
+        return "rejected", row.gate
+    return ("-", None) if row.gate.startswith("not registered") else (row.gate, None)
+
+
 def cycles_table(rows: list[CycleRow], title: str) -> Table:
-    table = Table(title=title)
-    for column in (
-        "started",
-        "cycle",
-        "status",
-        "verdict",
-        "AL",
-        "speedup @ c=1",
-        "model version",
-        "gate",
-    ):
-        table.add_column(column)
+    """The cycles, one line each: started, cycle, result, AL, speedup @ c=1, model version, gate."""
+    # No borders, one space between columns: realistic values fit 80 columns on one line per cycle.
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        collapse_padding=True,
+        header_style="bold",
+    )
+    for column, justify in (
+        ("started", "left"), ("cycle", "left"), ("result", "left"), ("AL", "right"),
+        ("c=1", "right"), ("ver", "left"), ("gate", "left"),
+    ):  # fmt: skip
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for row in rows:
+        speedup, _, flag = row.speedup_c1.partition(" (")
+        version = row.model_version.rsplit(" ", 1)[-1]
         table.add_row(
             row.started,
             row.name,
-            row.status,
-            row.verdict,
+            _result(row),
             row.acceptance_length,
-            row.speedup_c1,
-            row.model_version,
-            row.gate,
+            speedup + (FLAGGED if flag else ""),
+            version,
+            _gate(row)[0],
         )
     return table
+
+
+def cycle_notes(rows: list[CycleRow], width: int) -> list[str]:
+    """What the cells leave out, one note per cycle that has one, wrapped to `width`."""
+    notes: list[str] = []
+    models = sorted({row.model_version.rsplit(" ", 1)[0] for row in rows if row.model_version != "-"})
+    if models:
+        notes.append(f"versions of {', '.join(models)}")
+    for row in rows:
+        _, _, flag = row.speedup_c1.partition(" (")
+        reason = _gate(row)[1]
+        said = [f"speedup @ c=1 {flag.rstrip(')')}, not a figure to act on"] if flag else []
+        said += [reason] if reason else []
+        if said:
+            notes += textwrap.wrap(
+                f"{row.name}: {'; '.join(said)}",
+                width=width,
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            )
+    return notes
 
 
 def register(app: typer.Typer) -> None:
@@ -164,4 +214,8 @@ def register(app: typer.Typer) -> None:
         if not rows:
             typer.echo(f"no cycles recorded yet in experiment {experiment!r} at {uri}")
             return
-        Console().print(cycles_table(rows, title=f"recent cycles: experiment {experiment!r} at {uri}"))
+        console = Console()
+        console.print(f"MLflow: {uri}", overflow="fold", soft_wrap=False)
+        console.print(cycles_table(rows, title=f"recent cycles of experiment {experiment!r}"))
+        for note in cycle_notes(rows, width=min(console.width, 100)):
+            console.print(note, highlight=False, markup=False, overflow="fold")
