@@ -80,14 +80,10 @@ def test_a_partial_run_lists_what_it_produced_and_where_without_na_rows() -> Non
     print(text)
     assert text.splitlines()[0] == "# draftloop cycle `tiny-llama`: stopped after extract (until extract)"
     assert "n/a" not in text
-    assert (
-        "| synthesize | 19.4 | run | 240 | conversations 240, rejected 16 | `file:///runs/tiny/synthesize/3beb65` |"
-        in text
-    )  # noqa: E501
-    assert (
-        "| extract | 31.2 | hit | 224 | samples 224, tokens 41234 | `file:///runs/tiny/extract/9f2c4e` |"
-        in text
-    )  # noqa: E501
+    synthesize = "| synthesize | 19.4 | run | 240 | conversations 240, rejected 16 |"
+    assert f"{synthesize} `file:///runs/tiny/synthesize/3beb65` |" in text
+    extract = "| extract | 31.2 | hit | 224 | samples 224, tokens 41234 |"
+    assert f"{extract} `file:///runs/tiny/extract/9f2c4e` |" in text
 
 
 def test_the_artifact_shows_the_simulator_on_the_engines_prompt_mix() -> None:
