@@ -189,16 +189,19 @@ def test_full_cycle_records_results_registry_and_artifacts(
     client = MlflowClient(tracking_uri=config.tracking.mlflow_uri, registry_uri=config.tracking.mlflow_uri)
     version = client.get_model_version(registered["name"], registered["version"])
     assert "| mean acceptance length |" in (version.description or "")
-    assert version.tags["engine"] == "vllm"
-    assert version.tags["layer_id_convention"] == "layer_input"
-    assert json.loads(version.tags["aux_layer_ids"]) == [1, 3, 5]
+    # A row readable at a glance: six short tags; the card's facts on the logged model.
+    assert set(version.tags) == {"engine", "AL", "speedup_c1", "gate", "target", "variant"}, version.tags
+    assert version.tags["engine"] == "vllm" and version.tags["variant"] == "eagle3.1"
+    model_tags = client.get_logged_model(registered["model_id"]).tags
+    assert model_tags["layer_id_convention"] == "layer_input"
+    assert json.loads(model_tags["aux_layer_ids"]) == [1, 3, 5]
     if registered["champion"]:
         assert (
             str(client.get_model_version_by_alias(registered["name"], "champion").version)
             == registered["version"]
         )
     else:
-        assert version.tags["rejected"]  # the reason is recorded
+        assert model_tags["gate_reasons"]  # the reason is recorded
     experiment = client.get_experiment_by_name(config.tracking.experiment)
     assert experiment is not None
     stages = {
