@@ -26,10 +26,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttentionMode, Chain, KVPair, Packed
+from .counted import CountedIndex, counted_index, counted_mask
 from .drafter import FIRST_PASS, Eagle3Drafter
 from .packing import sample_length
 
-__all__ = ["draft_target_head", "sample_ttt_tokens", "ttt_loss", "ttt_metrics", "ttt_weights"]
+__all__ = [
+    "batch_counted_index",
+    "draft_target_head",
+    "sample_ttt_tokens",
+    "ttt_loss",
+    "ttt_metrics",
+    "ttt_weights",
+]
 
 
 def draft_target_head(drafter: Eagle3Drafter, lm_head_weight: Tensor) -> Tensor:
@@ -67,16 +75,40 @@ def _positions_and_segments(batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor
 def ttt_weights(batch: Mapping[str, Tensor], ttt_length: int) -> Tensor:
     """Counted positions [ttt_length, B, L]: at step j, anchor t counts when x_{t+2+j} is an assistant
     token of the same sample (so no target, token or loss crosses a sample boundary)."""
-    segments = _segments(batch)
-    length = segments.shape[1]
-    pad = ttt_length + 2
-    segments_ahead = F.pad(segments, (0, pad), value=-1)
-    mask_ahead = F.pad(batch["loss_mask"].bool(), (0, pad))
-    steps = [
-        mask_ahead[:, 2 + j : 2 + j + length] & (segments_ahead[:, 2 + j : 2 + j + length] == segments)
-        for j in range(ttt_length)
-    ]
-    return torch.stack(steps) & (segments >= 0)
+    return counted_mask(batch["loss_mask"], _segments(batch), ttt_length)
+
+
+def batch_counted_index(batch: Mapping[str, Tensor], ttt_length: int) -> CountedIndex:
+    """The batch's counted-position index: the one ``collate_rows(..., ttt_length=)`` built on the host,
+    or computed here from the batch (on its device: a CUDA batch then waits for the GPU once)."""
+    anchors, rows = batch.get("ttt_anchors"), batch.get("ttt_target_rows")
+    if anchors is not None and rows is not None and anchors.shape[0] == ttt_length:
+        return CountedIndex(anchors, rows)
+    return counted_index(ttt_weights(batch, ttt_length))
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * (logsumexp(z_i) - sum_v p_iv z_iv) over one chunk of counted positions, p_i =
+    softmax(target logits of row ``rows[i]`` of the target table). Saves the logits in their own dtype
+    (bf16 under autocast) and the shared table, not the fp32 softmaxes: backward rebuilds
+    softmax(z) - p one chunk at a time, so no [tokens, vocab] fp32 tensor outlives its chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: Tensor, table: Tensor, table_lse: Tensor, rows: Tensor, weight: Tensor
+    ) -> Tensor:
+        z = logits.float()
+        probs = torch.exp(table[rows].float() - table_lse[rows, None])
+        lse = torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(logits, table, table_lse, rows, weight, lse)
+        return ((lse - (probs * z).sum(-1)) * weight).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, table, table_lse, rows, weight, lse = ctx.saved_tensors
+        probs = torch.exp(table[rows].float() - table_lse[rows, None])
+        dz = (torch.exp(logits.float() - lse[:, None]) - probs) * (weight * grad)[:, None]
+        return dz.to(logits.dtype), None, None, None, None
 
 
 def ttt_loss(
@@ -96,23 +128,32 @@ def ttt_loss(
     a step's micro-batches add up to its token-weighted mean. None: this batch's own counts.
     Per step, the terms' loss and acc are this batch's means, acc being the share of counted positions
     whose drafter argmax equals the target's argmax over the draft vocab; tokens are those positions.
+
+    The decoder layer runs at every position (every key is attended to); the drafter's logits, the
+    target's and the cross-entropy only at counted positions (kernels/counted.py), in chunks.
     """
     input_ids = batch["input_ids"]
-    length = input_ids.shape[1]
+    bsz, length = input_ids.shape
+    flat = bsz * length
     position_ids, segments = _positions_and_segments(batch)
-    weights = ttt_weights(batch, ttt_length).float()
+    weights = ttt_weights(batch, ttt_length).float().reshape(ttt_length, flat)
+    index = batch_counted_index(batch, ttt_length)
+    chunks = index.anchors.shape[1]
 
     with torch.no_grad():
-        last = batch["last_hidden"].to(target_head_draft.dtype)
-        target_logits = torch.matmul(last, target_head_draft.t()).float()  # [B, L, Vd]
-        # Padded once at the end so that every step reads a shifted view instead of a copy. Where the
-        # shift reaches past a sample's end the position is not counted, and its outputs reach no
-        # counted position (own chain only; its step-0 key is visible only to itself).
-        pad = ttt_length + 1
-        target_probs = F.pad(torch.softmax(target_logits, dim=-1), (0, 0, 0, pad))
-        target_argmax = F.pad(target_logits.argmax(-1), (0, pad), value=-1)
-        del target_logits
-        ids_padded = F.pad(input_ids, (0, pad))
+        # The target table: logits at the targets of step 0's counted anchors (token t+1), in the
+        # matmul's dtype (bf16 under autocast, as the logits were before), their logsumexp and argmax.
+        last = batch["last_hidden"].reshape(flat, -1).to(target_head_draft.dtype)
+        table_positions = (index.anchors[0] + 1).clamp_max(flat - 1)  # (padding: any in-range row)
+        table_parts = [torch.matmul(last[table_positions[k]], target_head_draft.t()) for k in range(chunks)]
+        table_lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in table_parts])
+        table_argmax = torch.cat([part.argmax(-1) for part in table_parts])
+        table = table_parts[0] if chunks == 1 else torch.cat(table_parts)
+        del table_parts
+        # Padded once so that every step reads a shifted view. Where the shift reaches past a sample's
+        # end the anchor is not counted, and its outputs reach no counted position (own chain only; its
+        # step-0 key is visible only to itself).
+        ids_padded = F.pad(input_ids, (0, ttt_length + 1))
 
     hidden = drafter.fuse(batch["aux_hidden"])
     step0: KVPair | None = None
@@ -132,18 +173,20 @@ def ttt_loss(
             attention = Chain(past=[step0], earlier=chain, segments=segments)
             hidden, kv = drafter(hidden, step_ids, position_ids + step, attention)
             chain = [*chain, kv]
-        weight = weights[step]
-        probs = target_probs[:, 1 + step : 1 + step + length]
-        logits = drafter.logits(hidden).float()
-        # Soft cross-entropy with a normalised target: logsumexp(z) - sum(p * z), no log_softmax tensor.
-        per_token = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
-        tokens = weight.sum()
-        loss_sum = (per_token * weight).sum()
+        flat_hidden = hidden.reshape(flat, hidden.shape[-1])
+        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+        hits = hidden.new_zeros((), dtype=torch.float32)
+        for k in range(chunks):
+            anchors, rows = index.anchors[step, k], index.target_rows[step, k]
+            weight = weights[step][anchors]  # (0 at the padding)
+            logits = drafter.logits(flat_hidden[anchors])
+            loss_sum = loss_sum + _SoftCrossEntropy.apply(logits, table, table_lse, rows, weight)
+            with torch.no_grad():
+                hits = hits + ((logits.argmax(-1) == table_argmax[rows]).float() * weight).sum()
+        tokens = weights[step].sum()
         norm = tokens if step_tokens is None else step_tokens[step].to(tokens)
         total = total + (decay**step) * loss_sum / norm.clamp_min(1.0)
-        with torch.no_grad():
-            hits = (logits.argmax(-1) == target_argmax[:, 1 + step : 1 + step + length]).float() * weight
-            step_accs.append(hits.sum() / tokens.clamp_min(1.0))
+        step_accs.append(hits / tokens.clamp_min(1.0))
         step_losses.append(loss_sum.detach() / tokens.clamp_min(1.0))
         step_counts.append(tokens.detach())
     return total, torch.stack([torch.stack(step_losses), torch.stack(step_accs), torch.stack(step_counts)])

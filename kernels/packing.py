@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from .counted import counted_index, counted_mask
+
 __all__ = ["PackedRows", "collate_rows", "collate_samples", "pack_first_fit_decreasing", "sample_length"]
 
 # Row layout of a packed batch: for each row, the samples it holds in order.
@@ -60,13 +62,16 @@ def collate_rows(
     pad_multiple: int | None = None,
     *,
     packed: bool = True,
+    ttt_length: int | None = None,
 ) -> dict[str, Tensor]:
     """Right-pad rows of samples into a batch: input_ids/loss_mask [B, L], aux/last [B, L, *],
     lengths [B] (real tokens per row), and when ``packed`` segment_ids and position_ids [B, L]
     (``packed=False``: one sample per row, plain causal attention).
 
     ``batch_size`` adds empty rows (length 0, nothing counted) up to that many; ``pad_multiple`` rounds
-    L up to a multiple — both keep the shapes a compiled loss sees few.
+    L up to a multiple — both keep the shapes a compiled loss sees few. ``ttt_length``: also the TTT
+    loss's counted positions, ttt_anchors / ttt_target_rows (kernels/counted.py), built here on the host
+    so the loss neither waits for the GPU to count them nor sees a data-dependent shape.
     """
     if not rows or not all(rows):
         raise ValueError("a batch needs at least one row and every row at least one sample")
@@ -112,6 +117,10 @@ def collate_rows(
     if packed:
         out["segment_ids"] = segment_ids
         out["position_ids"] = position_ids
+    if ttt_length is not None:
+        index = counted_index(counted_mask(loss_mask, segment_ids, ttt_length))
+        out["ttt_anchors"] = index.anchors.pin_memory() if pin else index.anchors
+        out["ttt_target_rows"] = index.target_rows.pin_memory() if pin else index.target_rows
     return {name: tensor.to(device, non_blocking=True) for name, tensor in out.items()}
 
 

@@ -247,6 +247,11 @@ class TrainingRun:
     def forward_backward(self, batch: Mapping[str, Tensor], step_tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One micro-batch: its loss and TTT terms; its backward pass adds its part of dL/dθ."""
         cfg = self.cfg
+        if "ttt_anchors" in batch:
+            # The number of counted positions per chunk differs from batch to batch: one compiled
+            # graph for all of them (kernels/counted.py keeps it >= 64, never a 0/1 specialisation).
+            torch._dynamo.mark_dynamic(batch["ttt_anchors"], 2)
+            torch._dynamo.mark_dynamic(batch["ttt_target_rows"], 2)
         with _autocast(self.device):
             loss, terms = self.loss_fn(
                 self.drafter, batch, self.head, cfg.ttt_length, cfg.step_decay, step_tokens
@@ -267,7 +272,12 @@ class TrainingRun:
         # This rank's micro-batches: their backward passes add up to its part of dL/dθ.
         for rows in _micro_batch_rows(share.samples, cfg):
             batch = collate_rows(
-                rows, self.device, cfg.max_length, *self.fixed_shape, packed=cfg.pack_tokens is not None
+                rows,
+                self.device,
+                cfg.max_length,
+                *self.fixed_shape,
+                packed=cfg.pack_tokens is not None,
+                ttt_length=cfg.ttt_length,
             )
             loss, terms = self.forward_backward(batch, step_tokens_on_device)
             sums.add(loss, terms, batch)
