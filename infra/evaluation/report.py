@@ -155,4 +155,3 @@ def drafter_variant(drafter_dir: Path) -> str:
         return str(kind or served_drafter_kind(config))
     except UnsupportedVariantError as error:
         return f"unknown ({error})"
-
