@@ -14,14 +14,24 @@ Shards: every epoch has one global order of samples that does not depend on the 
 2. the samples of each window are shuffled together (the bounded shuffle buffer: at most one window
    of shards is ever held), windows following each other.
 
-Optimizer step k of the epoch trains samples ``order[k*S : (k+1)*S]`` (S samples per step). Ranks split
-the work by shard: inside each window, shards go to ranks by estimated tokens (longest-processing-time
-first), and a rank trains the samples of each step that come from its shards. Every sample is trained
-exactly once per epoch, by exactly one rank, and every rank reads only its own shards, lazily, a
-bounded number of shards ahead. The shard reader is injected: ``load_shard(name) -> samples`` (read on
-a background thread), or ``submit_shard(name) -> a callable that returns the samples`` (the reader
-starts the work itself, e.g. a remote producer, and the loop keeps ``prefetch_shards`` submitted
-ahead): kernels know nothing of storage or of where a shard is computed.
+Optimizer step k of the epoch trains samples ``order[k*S : (k+1)*S]`` (S samples per step). How ranks
+split a step (``split``):
+
+- ``"shards"``: inside each window, shards go to ranks by estimated tokens (longest-processing-time
+  first), and a rank trains the samples of each step that come from its shards. Every rank reads only
+  its own shards, but a step's shares differ (whole shards; bench/RESULTS.md: a 0.90 bound on 2 GPUs).
+- ``"tokens"``: each step's samples are dealt to ranks longest first, each to the rank with the fewest
+  tokens so far (ties: the lower rank), so the shares of every step differ by less than one sample's
+  tokens; the split depends only on the step's samples and the world size. The price is in reads: the
+  lengths are those of the loaded samples and a step's samples come from every shard of its window, so
+  every rank reads every shard (world x the reads of ``"shards"``; a remote producer computes each shard
+  once per rank). A shard is dropped once the order has passed its last sample.
+
+Either way every sample is trained exactly once per epoch, by exactly one rank, and shards are read
+lazily, a bounded number of shards ahead. The shard reader is injected: ``load_shard(name) ->
+samples`` (read on a background thread), or ``submit_shard(name) -> a callable that returns the
+samples`` (the reader starts the work itself, e.g. a remote producer, and the loop keeps
+``prefetch_shards`` submitted ahead): kernels know nothing of storage or of where a shard is computed.
 """
 
 from __future__ import annotations
@@ -32,19 +42,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from torch import Tensor
 
 __all__ = [
     "HeldOut",
     "InMemorySamples",
+    "RankSplit",
     "SampleKey",
     "ShardRef",
     "ShardSubmit",
     "ShardedSamples",
     "StepShare",
     "TrainingData",
+    "deal_by_tokens",
     "split_held_out",
 ]
 
@@ -53,6 +65,8 @@ SampleKey = tuple[int, int]
 Samples = Sequence[Mapping[str, Tensor]]
 # Starts reading (or computing) one shard; the returned callable blocks until its samples are there.
 ShardSubmit = Callable[[str], Callable[[], Samples]]
+# How ranks split each optimizer step (module docstring).
+RankSplit = Literal["shards", "tokens"]
 
 
 @dataclass(frozen=True)
@@ -175,9 +189,13 @@ class ShardedSamples:
         window_shards: int = 8,
         prefetch_shards: int = 2,
         submit_shard: ShardSubmit | None = None,
+        split: RankSplit = "shards",
     ) -> None:
         if not shards or not any(shard.num_samples for shard in shards):
             raise ValueError("no training samples")
+        if split not in get_args(RankSplit):
+            raise ValueError(f"split must be one of {get_args(RankSplit)}, got {split!r}")
+        self.split = split
         if window_shards < 1 or prefetch_shards < 1:
             raise ValueError("window_shards and prefetch_shards must be at least 1")
         self.shards = list(shards)
@@ -227,31 +245,78 @@ class ShardedSamples:
     ) -> Iterator[StepShare]:
         """This rank's share of every optimizer step of ``epoch`` from sample position ``start`` on."""
         order = self.epoch_order(epoch, seed)
+        if self.split == "tokens" and world > 1:
+            yield from self._token_split_steps(order, samples_per_step, start, rank, world)
+            return
         owners = self.shard_owners(epoch, seed, world)
         mine = [key for key in order[start:] if owners[key[0]] == rank]
         remaining = Counter(shard for shard, _ in mine)
         reads = list(dict.fromkeys(shard for shard, _ in mine))  # first-use order
         loaded: dict[int, Samples] = {}
-        with _ShardPrefetcher(
-            self.load_shard, self.submit_shard, [self.shards[s].name for s in reads], self.prefetch_shards
-        ) as prefetcher:
+        with self._prefetcher(reads) as prefetcher:
             for step_start in range(start, len(order), samples_per_step):
                 step_keys = order[step_start : step_start + samples_per_step]
                 keys = [key for key in step_keys if owners[key[0]] == rank]
-                samples = []
-                for shard, index in keys:
-                    if shard not in loaded:
-                        loaded[shard] = prefetcher.next(self.shards[shard].name)
-                    samples.append(loaded[shard][index])
-                    remaining[shard] -= 1
-                    if not remaining[shard]:
-                        del loaded[shard]  # the step's own references keep what it still needs
-                yield StepShare(
-                    step_samples=len(step_keys),
-                    keys=keys,
-                    samples=samples,
-                    sample_ids=[self.first_sample_id[shard] + index for shard, index in keys],
-                )
+                samples = [self._take(key, loaded, remaining, prefetcher) for key in keys]
+                yield self._share(len(step_keys), keys, samples)
+
+    def _token_split_steps(
+        self, order: list[SampleKey], samples_per_step: int, start: int, rank: int, world: int
+    ) -> Iterator[StepShare]:
+        """``"tokens"``: every rank reads every shard the rest of the order uses and deals each step's
+        samples by their lengths (:func:`deal_by_tokens`), keeping its own."""
+        rest = order[start:]
+        remaining = Counter(shard for shard, _ in rest)
+        loaded: dict[int, Samples] = {}
+        with self._prefetcher(list(dict.fromkeys(shard for shard, _ in rest))) as prefetcher:
+            for step_start in range(start, len(order), samples_per_step):
+                step_keys = order[step_start : step_start + samples_per_step]
+                step = [self._take(key, loaded, remaining, prefetcher) for key in step_keys]
+                ranks = deal_by_tokens([int(sample["input_ids"].shape[0]) for sample in step], world)
+                keys = [key for key, owner in zip(step_keys, ranks, strict=True) if owner == rank]
+                samples = [sample for sample, owner in zip(step, ranks, strict=True) if owner == rank]
+                yield self._share(len(step_keys), keys, samples)
+
+    def _prefetcher(self, reads: list[int]) -> _ShardPrefetcher:
+        names = [self.shards[s].name for s in reads]
+        return _ShardPrefetcher(self.load_shard, self.submit_shard, names, self.prefetch_shards)
+
+    def _take(
+        self,
+        key: SampleKey,
+        loaded: dict[int, Samples],
+        remaining: Counter[int],
+        prefetcher: _ShardPrefetcher,
+    ) -> Mapping[str, Tensor]:
+        """Sample ``key``, its shard read when first needed and dropped after its last sample (the step's
+        own references keep what it still needs)."""
+        shard, index = key
+        if shard not in loaded:
+            loaded[shard] = prefetcher.next(self.shards[shard].name)
+        sample = loaded[shard][index]
+        remaining[shard] -= 1
+        if not remaining[shard]:
+            del loaded[shard]
+        return sample
+
+    def _share(
+        self, step_samples: int, keys: list[SampleKey], samples: list[Mapping[str, Tensor]]
+    ) -> StepShare:
+        ids = [self.first_sample_id[shard] + index for shard, index in keys]
+        return StepShare(step_samples=step_samples, keys=keys, samples=samples, sample_ids=ids)
+
+
+def deal_by_tokens(lengths: Sequence[int], world: int) -> list[int]:
+    """The rank of each of one step's samples: longest first, each to the rank with the fewest tokens so
+    far (ties: the lower rank; equal lengths keep their order). Depends only on ``lengths`` and ``world``,
+    so every rank computes the same split."""
+    load = [0] * world
+    ranks = [0] * len(lengths)
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        ranks[index] = rank
+        load[rank] += lengths[index]
+    return ranks
 
 
 class _ShardPrefetcher:
