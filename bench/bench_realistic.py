@@ -4,7 +4,17 @@ Sample lengths are lognormal (median 600 tokens, sigma 0.8, 16..4096 tokens); th
 random bf16 (views into one shared buffer, so memory stays small) served through ``ShardedSamples``
 with a synthetic shard reader (16 samples a shard, the product's prefetch thread, shuffle windows and
 rank split), packed first-fit decreasing into rows of 4,096 tokens, TTT 7, torch.compile on CUDA.
-Tokens/s count real (sample) tokens only.
+Tokens/s count real (sample) tokens only. ``--prompt-fraction`` masks the first part of every sample out
+of the loss (a chat's prompt: the loss then counts, and the FLOPs are counted at, the assistant part only).
+
+Every run, draftloop's and the peer's, trains the first steps of one and the same epoch order (the
+dataset's shard count is fixed by the longest run, `FirstSteps` cuts each run), so rows are identical
+across runs; the ratio compares both on the same steps (``ratio_window``). MFU counts the matmul FLOPs
+the product computes on the timed steps' samples (`sample_flops`: the logits and the target's table at
+counted positions only, kernels/counted.py). ``recompiles_after_first_step``: graphs torch.compile built
+after the first optimizer step of a run (torch._dynamo's ``unique_graphs`` counter).
+``--long-rows 4096,8192,...``: a few steps with samples of exactly that many tokens (one per row), tok/s
+and peak memory per length, stopping at the first out-of-memory.
 
 Under ``torchrun`` every rank first trains its share (NCCL), then rank 0 alone repeats the runs on
 its GPU (one compilation serves both; losses kept for the 1- vs 2-GPU curves); without it, only the
@@ -12,7 +22,7 @@ one-GPU runs. ``--peer`` then times the speculators library's trainer in the sam
 steps' samples, packed into the same rows (its own FlexAttention document mask over document ids).
 bench/RESULTS.md has the exact commands.
 
-``--tiny`` uses toy shapes (a CPU smoke test of this script).
+``--tiny`` uses toy shapes (a CPU smoke test of this script: ``--tiny --long-rows 64,128`` too).
 """
 
 from __future__ import annotations
@@ -20,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -31,17 +40,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from draftloop.kernels.data import ShardedSamples, ShardRef
-from draftloop.kernels.drafter import DrafterConfig, Eagle3Drafter
-from draftloop.kernels.layer_ids import LayerIds
+from draftloop.kernels.data import ShardedSamples
+from draftloop.kernels.drafter import Eagle3Drafter
 from draftloop.kernels.packing import collate_rows, pack_first_fit_decreasing
 from draftloop.kernels.train import TrainConfig, train_drafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import matmul_peak, peer_model, shapes, target_config
+from bench_gpu import matmul_peak, peer_model, shapes
+from realistic_data import (
+    MEDIAN_TOKENS,
+    SAMPLES_PER_SHARD,
+    FirstSteps,
+    SyntheticHiddenStates,
+    drafter_config,
+    step_flops,
+)
+from realistic_data import useful_flops_per_token as useful_flops_per_token  # (bench_online's)
 
-SAMPLES_PER_SHARD = 16
-MEDIAN_TOKENS, SIGMA, MIN_TOKENS = 600, 0.8, 16
 WARM_STEPS = 5  # steps left out of the timing: compilation and the first allocations
 
 
@@ -49,72 +64,11 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-class SyntheticHiddenStates:
-    """Deterministic samples per shard: lognormal lengths, random ids, hidden states viewed from one
-    shared random buffer at a random offset (so any number of samples costs no memory)."""
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (each recompilation adds one)."""
+    from torch._dynamo.utils import counters
 
-    def __init__(self, s: dict[str, int], cap: int, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.s, self.cap, self.seed = s, cap, seed
-        self.aux = torch.randn(2 * cap, 3 * s["H"], generator=gen).to(torch.bfloat16)
-        self.last = torch.randn(2 * cap, s["H"], generator=gen).to(torch.bfloat16)
-
-    def lengths(self, shard: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + shard)
-        raw = torch.exp(math.log(MEDIAN_TOKENS) + SIGMA * torch.randn(SAMPLES_PER_SHARD, generator=gen))
-        return [int(x) for x in raw.round().clamp(MIN_TOKENS, self.cap)]
-
-    def load_shard(self, name: str) -> list[dict[str, torch.Tensor]]:
-        shard = int(name.rsplit("-", 1)[1])
-        gen = torch.Generator().manual_seed(self.seed * 7_000_003 + shard)
-        samples = []
-        for length in self.lengths(shard):
-            offset = int(torch.randint(0, self.cap, (1,), generator=gen))
-            samples.append(
-                {
-                    "input_ids": torch.randint(0, self.s["V"], (length,), generator=gen),
-                    "loss_mask": torch.ones(length, dtype=torch.uint8),
-                    "aux_hidden": self.aux[offset : offset + length],
-                    "last_hidden": self.last[offset : offset + length],
-                }
-            )
-        return samples
-
-    def dataset(self, num_shards: int) -> ShardedSamples:
-        refs = [ShardRef(f"shard-{i}", SAMPLES_PER_SHARD, sum(self.lengths(i))) for i in range(num_shards)]
-        return ShardedSamples(refs, self.load_shard, window_shards=8, prefetch_shards=2)
-
-
-def drafter_config(s: dict[str, int]) -> DrafterConfig:
-    return DrafterConfig.for_target(
-        target_config(s), LayerIds.default_for_depth(s["L"]), draft_vocab_size=s["VD"]
-    )
-
-
-def token_flops(cfg: DrafterConfig, ttt: int, train_lm_head: bool) -> float:
-    """Matmul FLOPs per token of one TTT training step, attention scores excluded (fwd 2, fwd+bwd 6)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size  # q/k/v take 2h inputs
-    head = h * cfg.draft_vocab_size
-    per_step = 6 * layer + (6 if train_lm_head else 4) * head  # a frozen head still needs dX, not dW
-    fc = 4 * cfg.num_aux_layers * cfg.target_hidden_size * h  # fwd + dW (its input needs no gradient)
-    target_head = 2 * cfg.target_hidden_size * cfg.draft_vocab_size  # no gradient
-    return float(ttt * per_step + fc + target_head)
-
-
-def attention_flops(cfg: DrafterConfig, length: int, ttt: int) -> float:
-    """Score and value FLOPs of one sample (causal within the sample, plus the TTT chain diagonal)."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    return float(sum(3 * 2 * 2 * q * (length * (length + 1) / 2 + length * j) for j in range(ttt)))
-
-
-def useful_flops_per_token(
-    cfg: DrafterConfig, data: SyntheticHiddenStates, shards: int, ttt: int, train_lm_head: bool
-) -> float:
-    lengths = [n for i in range(shards) for n in data.lengths(i)]
-    total = sum(token_flops(cfg, ttt, train_lm_head) * n + attention_flops(cfg, n, ttt) for n in lengths)
-    return total / sum(lengths)
+    return int(counters["stats"]["unique_graphs"])
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -127,9 +81,24 @@ def spread(values: list[float]) -> dict[str, float]:
     }
 
 
+def rate(tokens: list[int], times: list[float], begin: int, end: int) -> float:
+    """Real tokens per second of steps begin..end-1 (0-based; ``times[i]``: when step i finished)."""
+    return sum(tokens[begin:end]) / (times[end - 1] - times[begin - 1])
+
+
 def draftloop_run(
-    s: dict[str, int], data: SyntheticHiddenStates, args: argparse.Namespace, dev: str, rank: int, world: int
+    s: dict[str, int],
+    data: FirstSteps,
+    args: argparse.Namespace,
+    dev: str,
+    rank: int,
+    world: int,
+    flops: list[float],
+    warm_steps: int = WARM_STEPS,
 ) -> dict[str, Any]:
+    """One training run of ``data``'s steps; tok/s over the steps after ``warm_steps``, MFU on ``flops``
+    (each step's FLOPs over all ranks) over the same steps, and tok/s over ``args.ratio_window`` steps
+    (the ones the peer is timed on)."""
     torch.manual_seed(0)  # identical initial weights on every rank
     drafter = Eagle3Drafter(drafter_config(s))
     drafter.attach_embeddings(torch.randn(s["V"], s["H"]) * 0.02)
@@ -137,7 +106,7 @@ def draftloop_run(
     cfg = TrainConfig(
         ttt_length=args.ttt,
         epochs=1,  # (TrainConfig's default is the config's now: 8)
-        batch_size=args.samples_per_step,
+        batch_size=data.samples_per_step,
         lr=1e-4,
         compile=True,
         pack_tokens=args.pack_tokens,
@@ -147,30 +116,35 @@ def draftloop_run(
     )
     times: list[float] = []
     records: list[dict[str, Any]] = []
+    graphs = [compiled_graphs()]  # before the run, after its first step
 
     def on_step(_step: int, record: dict[str, Any]) -> None:
         times.append(time.perf_counter())  # the record's values were read back: the step has finished
         records.append(record)
-        if rank == 0 and (_step in (1, WARM_STEPS) or _step % 10 == 0):
+        if _step == 1:
+            graphs.append(compiled_graphs())
+        if rank == 0 and (_step in (1, warm_steps) or _step % 10 == 0):
             log(f"  world {world} step {_step}: {times[-1] - start:.1f} s, loss {record['loss']:.4f}")
 
-    shards = args.steps * args.samples_per_step // SAMPLES_PER_SHARD
     start = time.perf_counter()
-    result = train_drafter(
-        drafter, data.dataset(shards), head, cfg, dev, rank=rank, world=world, on_step=on_step
-    )
-    warm = min(WARM_STEPS, len(records) - 1)
-    timed = records[warm:]
-    elapsed = times[-1] - times[warm - 1] if warm else times[-1] - start
-    real = sum(r["real_tokens"] for r in timed)
+    result = train_drafter(drafter, data, head, cfg, dev, rank=rank, world=world, on_step=on_step)
+    steps = len(records)
+    warm = min(warm_steps, steps - 1)
+    tokens = [r["real_tokens"] for r in records]
+    window = min(args.ratio_window or steps, steps)
+    since = times[warm - 1] if warm else start  # the timed steps start when the warm ones finished
     out = {
-        "tok_per_s": real / elapsed,
-        "timed_steps": len(timed),
+        "tok_per_s": sum(tokens[warm:]) / (times[-1] - since),
+        "ratio_window_tok_per_s": rate(tokens, times, warm, window) if 0 < warm < window else None,
+        "mfu": sum(flops[warm:steps]) / (times[-1] - since) / args.peak / world,
+        "timed_steps": steps - warm,
         "first_steps_s": round(times[warm - 1] - start, 1) if warm else 0.0,
-        "time_to_first_step_s": round(times[0] - start, 1),  # compilation included
+        "time_to_first_step_s": round(times[0] - start, 1),  # compilation (or the cache's load) included
+        "compiled_graphs_first_step": graphs[1] - graphs[0],
+        "recompiles_after_first_step": compiled_graphs() - graphs[1],
         "packing_efficiency": result.final_metrics["packing_efficiency"],
         "loss": [r["loss"] for r in records],
-        "real_tokens": [r["real_tokens"] for r in records],
+        "real_tokens": tokens,
     }
     del drafter, result
     gc.collect()
@@ -181,10 +155,9 @@ def draftloop_run(
     return out
 
 
-def peer_run(
-    s: dict[str, int], data: SyntheticHiddenStates, args: argparse.Namespace, dev: str
-) -> dict[str, Any]:
-    """The speculators trainer's step (its compiled model, eager kl_div loss) on the same rows."""
+def peer_run(s: dict[str, int], data: FirstSteps, args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    """The speculators trainer's step (its compiled model, eager kl_div loss) on the same rows as
+    draftloop's: ``data``'s steps, packed first-fit decreasing into rows of ``args.pack_tokens``."""
     from speculators.losses.utils import resolve_loss_config
 
     torch.manual_seed(0)
@@ -192,13 +165,11 @@ def peer_run(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     loss_cfg = resolve_loss_config("kl_div", "eager")  # its fused loss breaks on torch 2.11
-    shards = args.peer_steps * args.samples_per_step // SAMPLES_PER_SHARD
-    dataset = data.dataset(shards)
     hidden_dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # no CPU autocast here
     times: list[float] = []
     reals: list[int] = []
     start = time.perf_counter()
-    for share in dataset.rank_steps(0, 0, args.samples_per_step, 0, 0, 1):
+    for share in data.rank_steps(0, 0, data.samples_per_step, 0, 0, 1):
         lengths = [int(x["input_ids"].shape[0]) for x in share.samples]
         real = 0
         for row in pack_first_fit_decreasing(lengths, args.pack_tokens):
@@ -224,10 +195,13 @@ def peer_run(
         times.append(time.perf_counter())
         reals.append(real)
     warm = min(WARM_STEPS, len(times) - 1)
+    window = min(args.ratio_window, len(times))
     out = {
-        "tok_per_s": sum(reals[warm:]) / (times[-1] - times[warm - 1]),
+        "tok_per_s": rate(reals, times, warm, len(times)),
+        "ratio_window_tok_per_s": rate(reals, times, warm, window) if 0 < warm < window else None,
         "timed_steps": len(times) - warm,
         "first_steps_s": round(times[warm - 1] - start, 1),
+        "real_tokens": reals,
     }
     del model, opt
     gc.collect()
@@ -237,30 +211,73 @@ def peer_run(
 
 
 def timed_runs(
-    s: dict[str, int],
-    data: SyntheticHiddenStates,
-    args: argparse.Namespace,
-    dev: str,
-    rank: int,
-    world: int,
-    flops_per_token: float,
-    peak: float,
+    s: dict[str, int], base: ShardedSamples, args: argparse.Namespace, dev: str, rank: int, world: int
 ) -> dict[str, Any]:
     """``args.runs`` runs: the first of ``args.steps`` steps (its loss curve is compared), the others of
-    ``args.repeat_steps`` steps (the spread of tokens/s)."""
+    ``args.repeat_steps`` steps (the spread of tokens/s); all from ``base``'s first steps."""
     runs = []
     for index in range(args.runs):
-        steps = args.steps if index == 0 else args.repeat_steps
-        run = draftloop_run(s, data, argparse.Namespace(**{**vars(args), "steps": steps}), dev, rank, world)
-        run["mfu"] = run["tok_per_s"] * flops_per_token / peak / world
+        data = FirstSteps(base, args.steps if index == 0 else args.repeat_steps, args.samples_per_step)
+        run = draftloop_run(s, data, args, dev, rank, world, args.step_flops)
         log(f"draftloop run {index} world {world}: {run['tok_per_s']:.0f} tok/s mfu {run['mfu']:.3f}")
         runs.append(run)
+    window = [r["ratio_window_tok_per_s"] for r in runs if r["ratio_window_tok_per_s"] is not None]
     return {
         "runs": runs,
         "tok_per_s": spread([r["tok_per_s"] for r in runs]),
+        "ratio_window_tok_per_s": spread(window) if window else None,
         "packing_efficiency": runs[0]["packing_efficiency"],
         "mfu": round(statistics.median(r["mfu"] for r in runs), 3),
+        "mfu_runs": [round(r["mfu"], 3) for r in runs],
+        "mfu_within_bound": all(r["mfu"] <= 1 for r in runs),  # (> 1: the FLOP count or the peak is wrong)
+        "time_to_first_step_s": [r["time_to_first_step_s"] for r in runs],
+        "recompiles_after_first_step": [r["recompiles_after_first_step"] for r in runs],
     }
+
+
+def long_row_table(s: dict[str, int], args: argparse.Namespace, dev: str, write: Any) -> list[dict[str, Any]]:
+    """Per row length: ``args.long_row_steps`` steps of ``args.long_row_samples`` samples of exactly that
+    many tokens (one sample per row), tok/s over the steps after the first two (compilation, first
+    allocations) and the peak memory; stops at the first length that runs out of memory."""
+    table: list[dict[str, Any]] = []
+    cfg = drafter_config(s)
+    for length in args.long_rows:
+        data = SyntheticHiddenStates(s, length, prompt_fraction=args.prompt_fraction, fixed_length=length)
+        per_step = args.long_row_samples
+        base = data.dataset(-(-args.long_row_steps * per_step // SAMPLES_PER_SHARD))
+        steps = FirstSteps(base, args.long_row_steps, per_step)
+        flops, _ = step_flops(cfg, steps, args.ttt, args.train_lm_head)
+        row_args = argparse.Namespace(**{**vars(args), "pack_tokens": length})
+        entry: dict[str, Any] = {"row_tokens": length, "samples_per_step": per_step}
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            run = draftloop_run(s, steps, row_args, dev, 0, 1, flops, warm_steps=2)
+            entry |= {k: run[k] for k in ("tok_per_s", "mfu", "time_to_first_step_s", "timed_steps")}
+            entry |= {"peak_gib": run.get("peak_gib"), "recompiles": run["recompiles_after_first_step"]}
+        except torch.cuda.OutOfMemoryError as error:
+            entry |= {"oom": True, "error": str(error).splitlines()[0][:300]}
+        log(f"long rows {length}: {entry}")
+        table.append(entry)
+        write()
+        if entry.get("oom"):
+            del data, base, steps
+            gc.collect()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            break
+    return table
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 16:
+        raise argparse.ArgumentTypeError(f"--long-rows wants comma-separated lengths >= 16, got {text!r}")
+    return lengths
 
 
 def main() -> None:
@@ -276,13 +293,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeat-steps", type=int, default=20)
     parser.add_argument("--peer", action="store_true", help="then the speculators trainer, same samples")
-    parser.add_argument("--peer-steps", type=int, default=15)
-    parser.add_argument("--peer-start-before-s", type=float, default=1e9, help="skip the peer after this")
+    parser.add_argument("--peer-steps", type=int, default=20)
+    parser.add_argument(
+        "--ratio-window",
+        type=int,
+        default=None,
+        help="steps both trainers are compared on (after the warm ones; default: the shortest run's)",
+    )
     parser.add_argument("--samples-per-step", type=int, default=64)
     parser.add_argument("--pack-tokens", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument(
+        "--prompt-fraction",
+        type=float,
+        default=0.0,
+        help="share of each sample (its start) out of the loss, as a chat's prompt (default 0: all counted)",
+    )
     parser.add_argument("--peer-only", action="store_true", help="only the speculators runs")
     parser.add_argument("--world-only", action="store_true", help="torchrun: only the N-GPU runs")
+    parser.add_argument(
+        "--long-rows",
+        type=parse_lengths,
+        default=None,
+        help="only the long-row table: e.g. 4096,8192,16384,32768 (one sample per row of each length)",
+    )
+    parser.add_argument("--long-row-steps", type=int, default=5, help="steps per length (2 warm)")
+    parser.add_argument("--long-row-samples", type=int, default=2, help="samples (rows) per step")
     parser.add_argument(
         "--train-lm-head",
         action=argparse.BooleanOptionalAction,
@@ -290,7 +326,10 @@ def main() -> None:
         help="draftloop trains its lm_head (default: the loop's; the runs recorded so far had it on)",
     )
     args = parser.parse_args()
-    began = time.monotonic()
+    if not 0 <= args.prompt_fraction < 1:
+        parser.error(f"--prompt-fraction must be in [0, 1), got {args.prompt_fraction}")
+    if args.long_rows is not None and args.long_row_steps < 3:
+        parser.error(f"--long-row-steps must be at least 3 (2 warm, 1 timed), got {args.long_row_steps}")
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -303,18 +342,14 @@ def main() -> None:
     cap = 256 if args.tiny else 4096
     if args.tiny:
         args.pack_tokens = min(args.pack_tokens, cap)
-    data = SyntheticHiddenStates(s, cap)
-    shards = args.steps * args.samples_per_step // SAMPLES_PER_SHARD
-    peak = matmul_peak(dev)
-    flops_per_token = useful_flops_per_token(drafter_config(s), data, shards, args.ttt, args.train_lm_head)
+    args.peak = matmul_peak(dev)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "torch": torch.__version__,
         "shapes": s,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"}
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "peak")}
         | {"cap": cap, "median": MEDIAN_TOKENS},
-        "bf16_matmul_peak_flops": peak,
-        "useful_flops_per_real_token": flops_per_token,
+        "bf16_matmul_peak_flops": args.peak,
     }
 
     def write() -> None:
@@ -322,29 +357,57 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
 
+    if args.long_rows is not None:
+        if world > 1:
+            parser.error("--long-rows runs on one GPU (no torchrun)")
+        result["long_rows"] = long_row_table(s, args, dev, write)
+        write()
+        log(json.dumps(result["long_rows"]))
+        return
+
+    # One dataset for every run (its shard count fixes the epoch order): each run trains its first steps.
+    longest = max(args.steps, args.repeat_steps if args.runs > 1 else 0, args.peer_steps if args.peer else 0)
+    base = SyntheticHiddenStates(s, cap, prompt_fraction=args.prompt_fraction).dataset(
+        -(-longest * args.samples_per_step // SAMPLES_PER_SHARD)
+    )
+    shortest = min(
+        [args.steps]
+        + ([args.repeat_steps] if args.runs > 1 else [])
+        + ([args.peer_steps] if args.peer else [])
+    )
+    args.ratio_window = min(args.ratio_window or shortest, shortest)
+    cfg = drafter_config(s)
+    args.step_flops, step_tokens = step_flops(
+        cfg, FirstSteps(base, longest, args.samples_per_step), args.ttt, args.train_lm_head
+    )
+    result["useful_flops_per_real_token"] = sum(args.step_flops) / sum(step_tokens)
+    result["ratio_window_steps"] = [min(WARM_STEPS, args.ratio_window - 1), args.ratio_window]
     if world > 1:  # all ranks, then rank 0 alone on its GPU: one compilation serves both
-        result[f"world{world}"] = timed_runs(s, data, args, dev, rank, world, flops_per_token, peak)
+        result[f"world{world}"] = timed_runs(s, base, args, dev, rank, world)
         write()
         dist.destroy_process_group()
         if rank != 0 or args.world_only:
             return
     if not args.peer_only:
-        result["world1"] = timed_runs(s, data, args, dev, 0, 1, flops_per_token, peak)
+        result["world1"] = timed_runs(s, base, args, dev, 0, 1)
         write()
-    if args.peer and time.monotonic() - began < args.peer_start_before_s:
+    if args.peer:
         try:
+            data = FirstSteps(base, args.peer_steps, args.samples_per_step)
             peer = [peer_run(s, data, args, dev) for _ in range(args.runs)]
             for run in peer:
                 log(f"speculators run: {run['tok_per_s']:.0f} tok/s")
             result["speculators"] = {"runs": peer, "tok_per_s": spread([r["tok_per_s"] for r in peer])}
-            if "world1" in result:
+            windows = [r["ratio_window_tok_per_s"] for r in peer if r["ratio_window_tok_per_s"] is not None]
+            if windows:
+                result["speculators"]["ratio_window_tok_per_s"] = spread(windows)
+            mine = result.get("world1", {}).get("ratio_window_tok_per_s")
+            if mine and windows:  # the same steps, so the same rows, on both sides
                 result["training_ratio"] = round(
-                    result["world1"]["tok_per_s"]["median"] / result["speculators"]["tok_per_s"]["median"], 3
+                    mine["median"] / result["speculators"]["ratio_window_tok_per_s"]["median"], 3
                 )
         except Exception as error:  # report and keep draftloop's figures
             result["speculators_error"] = repr(error)[:600]
-    elif args.peer:
-        result["speculators_skipped"] = f"not started: {time.monotonic() - began:.0f} s had passed"
     write()
     log(json.dumps({k: v for k, v in result.items() if k != "shapes"})[:3000])
 
