@@ -32,7 +32,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--remote-debugging-address=127.0.0.1",
     "--remote-debugging-port=0",  # chromium picks a free port and writes it to DevToolsActivePort
-    "--window-size=1400,1000",
+    "--window-size=1440,1000",
 ]
 FLOW_RUN_TIMEOUT_S = 420
 UI_TIMEOUT_MS = 120_000  # the UIs render slowly on a busy 2-core machine
@@ -87,7 +87,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         with sync_playwright() as playwright:
             browser = playwright.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
             opened = browser.contexts[0].new_page()
-            opened.set_viewport_size({"width": 1400, "height": 1000})
+            opened.set_viewport_size({"width": 1440, "height": 1000})
             opened.set_default_timeout(UI_TIMEOUT_MS)
             yield opened
             browser.close()
@@ -96,19 +96,20 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     assert not is_alive(browser_process.pid)
 
 
-def _form_field(page: Any, name: str) -> Any:
-    """The input of a flow parameter on Prefect's run form (its label reads `<name> (Optional)`)."""
-    label = page.locator(".schema-form-property__label", has_text=re.compile(rf"^{name} \(Optional\)$"))
-    return page.locator(".schema-form-property").filter(has=label).locator("input, textarea").first
+def _form_field(page: Any, title: str) -> Any:
+    """A flow parameter on Prefect's run form, by its title (flows/form.py; the label reads `<title>
+    (Optional)`)."""
+    # Only the parentheses escaped: playwright hands the pattern to JavaScript, which refuses `\ `.
+    pattern = re.sub(r"([()])", r"\\\1", title)
+    label = page.locator(".schema-form-property__label", has_text=re.compile(rf"^{pattern} \(Optional\)$"))
+    return page.locator(".schema-form-property").filter(has=label)
 
 
 def _final_flow_run(api: str, deployment_id: str) -> dict[str, Any]:
     """The deployment's one flow run once it is in a final state (the test's own server has no other)."""
     deadline = time.monotonic() + FLOW_RUN_TIMEOUT_S
     while True:
-        runs = httpx.post(
-            f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [deployment_id]}}}, timeout=30
-        ).json()
+        runs = _deployment_runs(api, deployment_id)
         if runs and runs[0]["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             assert len(runs) == 1, [run["name"] for run in runs]
             run: dict[str, Any] = runs[0]
@@ -117,41 +118,72 @@ def _final_flow_run(api: str, deployment_id: str) -> dict[str, Any]:
         time.sleep(3)
 
 
-def test_prefect_form_runs_the_flow_and_its_page_shows_the_summary(
-    flow_env: FlowEnv, services: dict[str, Any], page: Any, screenshots: Path
-) -> None:
-    """The `train-and-eval` deployment's run form, filled and submitted in the browser; the worker of
-    `draftloop up` runs it; the run page shows Completed and the cycle-summary artifact.
+def _deployment_runs(api: str, deployment_id: str) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = httpx.post(
+        f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [deployment_id]}}}, timeout=30
+    ).json()
+    return runs
 
-    Covers the form (flat fields showing the config's defaults), the deployment served by a process
-    worker, and the run page with its artifact. For CI time it runs the cheapest cycle the flow allows:
-    `until = extract` on 8 samples (synthesize with the target, extract its hidden states), not training
-    or evaluation, which tests/test_flow.py and test_flow_deployment.py cover.
+
+def _link(page: Any, label: str) -> str:
+    """The href of the artifact's link in the row `label` (its cell shows the URL itself)."""
+    row = page.get_by_role("row").filter(has_text=label).first
+    href: str = row.get_by_role("link").first.get_attribute("href")
+    return href
+
+
+def test_prefect_form_runs_the_flow_and_links_to_mlflow_and_back(
+    flow_env: FlowEnv,
+    first_cycle: tuple[dict[str, Any], float],
+    services: dict[str, Any],
+    page: Any,
+    screenshots: Path,
+) -> None:
+    """The `train-and-eval` form, filled in the browser: typed fields (dropdowns, limits: a bad number is
+    refused before any run), submitted and run by `draftloop up`'s worker; the run page's artifact links
+    the MLflow run and the model version, and the MLflow run links back to the Prefect run. Then
+    MLflow's root: model-training mode on the experiment's runs, their figures as columns.
+
+    For CI time the submitted cycle is the session's first cycle again (every stage a cache hit, as in
+    tests/test_flow_deployment.py): a whole cycle with a registered version in seconds.
     """
+    first, _ = first_cycle
     ui = services["prefect-server"].url
     api = f"{ui}/api"
+    mlflow = services["mlflow"].url
     deployment = httpx.get(f"{api}/deployments/name/train-and-eval/train-and-eval", timeout=30).json()
 
     page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
-    num_samples = _form_field(page, "num_samples")
+    num_samples = _form_field(page, "Training conversations").locator("input").first
     num_samples.wait_for()
-    # The form shows the default config's own values, no type toggles to click first.
+    # Choices are dropdowns showing the default config's own values; numbers show theirs.
+    for title, shown in (
+        ("Config (shipped)", "configs/tiny-llama.yaml"),
+        ("Serving engine", "vllm"),
+        ("Run up to stage", "register"),
+    ):
+        dropdown = _form_field(page, title).locator(".p-select")
+        assert dropdown.locator(".p-select-button__value").inner_text().strip() == shown, title
     assert num_samples.input_value() == "256"
-    assert _form_field(page, "engine_kind").input_value() == "vllm"
-    assert _form_field(page, "until").input_value() == "register"
-    _form_field(page, "config").fill(str(flow_env.config_path))
-    num_samples.fill("8")
-    _form_field(page, "until").fill("extract")
-    # The form scrolls inside its own pane: a window tall enough shows every field at once.
-    page.set_viewport_size({"width": 1400, "height": 2000})
+    _form_field(page, "Config file (another)").locator("textarea, input").first.fill(
+        str(flow_env.config_path)
+    )
+    # A number below its limit: the form is refused by name, no run is created.
+    num_samples.fill("0")
+    page.get_by_role("button", name="Submit").click()
+    refusal = page.get_by_text(re.compile(r"Validation failed for field 'num_samples'.*minimum of 1")).first
+    refusal.wait_for()
+    page.screenshot(path=str(screenshots / "prefect-form-refused.png"))
+    assert "/run" in page.url and _deployment_runs(api, deployment["id"]) == []
+    num_samples.fill("256")  # the default: the config's own value
+    page.set_viewport_size({"width": 1440, "height": 2000})  # the form scrolls inside its own pane
     page.screenshot(path=str(screenshots / "prefect-run-form.png"))
     page.get_by_role("button", name="Submit").click()
-    # Submitted: the UI leaves the form for the deployment's page.
     page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment['id']}(\?.*)?$"))
-    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.set_viewport_size({"width": 1440, "height": 1000})
 
     run = _final_flow_run(api, deployment["id"])
-    assert run["parameters"]["num_samples"] == 8 and run["parameters"]["until"] == "extract"
+    assert run["parameters"]["config_path"] == str(flow_env.config_path)
     assert run["state_type"] == "COMPLETED", run["state"].get("message")
 
     page.goto(f"{ui}/runs/flow-run/{run['id']}")
@@ -163,11 +195,40 @@ def test_prefect_form_runs_the_flow_and_its_page_shows_the_summary(
     card.wait_for()
     page.screenshot(path=str(screenshots / "prefect-run-page.png"), full_page=True)
     card.click()
-    # The artifact's own page renders its markdown: the cycle's status and a row per stage run.
-    page.get_by_text(re.compile(r"flow-test.*completed")).first.wait_for()
-    for stage in ("synthesize", "extract"):
-        assert page.get_by_text(stage, exact=True).count() >= 1, stage
+    page.get_by_text(re.compile(r"flow-test")).first.wait_for()
     page.screenshot(path=str(screenshots / "prefect-run-artifact.png"), full_page=True)
+    mlflow_run, model_version = _link(page, "MLflow run"), _link(page, "MLflow model version")
+    registered = first["registered_model"]
+    assert mlflow_run.startswith(f"{mlflow}/#/experiments/") and "/runs/" in mlflow_run
+    assert model_version == f"{mlflow}/#/models/{registered['name']}/versions/{registered['version']}"
+
+    # Prefect -> the MLflow run: its description links back, its Source says where it came from.
+    page.goto(mlflow_run)
+    back = page.get_by_role("link", name="/runs/flow-run/").first  # a substring of its name
+    back.wait_for()
+    assert back.get_attribute("href") == f"{ui}/runs/flow-run/{run['id']}"
+    page.get_by_text("train-and-eval/train-and-eval").first.wait_for()  # Source
+    page.screenshot(path=str(screenshots / "mlflow-cycle-run.png"), full_page=True)
+    page.goto(str(back.get_attribute("href")))  # MLflow -> back to the Prefect run (it opens a new tab)
+    assert page.locator(".state-badge").first.inner_text().strip() == "Completed"
+
+    page.goto(model_version)
+    page.get_by_text(f"Version {registered['version']}").first.wait_for()
+    page.screenshot(path=str(screenshots / "mlflow-model-version.png"), full_page=True)
+
+    # MLflow's root: model training (the sidebar's Model registry exists only there), on the experiment's
+    # runs, the cycle runs' figures as columns.
+    page.goto(f"{mlflow}/")
+    page.wait_for_url(re.compile(r".*#/experiments/\d+/runs.*"))
+    page.get_by_role("link", name="Model registry").first.wait_for()
+    headers = page.get_by_role("columnheader")
+    headers.filter(has_text="mean_acceptance_length").first.wait_for()
+    shown = {" ".join(text.split()) for text in headers.all_inner_texts()}
+    for column in ("mean_acceptance_length", "acceptance_pct", "speedup_c1", "gate", "verdict", "Source"):
+        assert column in shown, (column, shown)
+    cycle_rows = page.get_by_role("row").filter(has_text="flow-test-")
+    assert cycle_rows.count() >= 2, cycle_rows.all_inner_texts()  # the first cycle and this run
+    page.screenshot(path=str(screenshots / "mlflow-landing.png"), full_page=True)
 
 
 def _register_synthetic_versions(flow_env: FlowEnv, name: str) -> list[Any]:
@@ -239,16 +300,40 @@ def _text(locator: Any) -> str:
     return " ".join(locator.inner_text().split())  # the alias tag is "@&nbsp;champion"
 
 
+def _clipped(cell: Any, text: str) -> bool:
+    """Whether `text` inside `cell` runs past the cell's right edge (cut off by the column)."""
+    clipped: bool = cell.evaluate(
+        """(cell, text) => {
+            const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+            for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+                const at = node.textContent.indexOf(text);
+                if (at < 0) continue;
+                const range = document.createRange();
+                range.setStart(node, at);
+                range.setEnd(node, at + text.length);
+                let box = node.parentElement;  // the nearest box that clips its content
+                while (box !== cell && getComputedStyle(box).overflow === "visible") box = box.parentElement;
+                return range.getBoundingClientRect().right > box.getBoundingClientRect().right + 1;
+            }
+            return true;  // not found: as good as cut off
+        }""",
+        text,
+    )
+    return clipped
+
+
 def test_mlflow_registry_page_shows_the_champion_and_the_verdicts(
     flow_env: FlowEnv, services: dict[str, Any], page: Any, screenshots: Path
 ) -> None:
-    """The registered model's page in MLflow's UI: the champion alias on v1, each version's description
-    opening with its one-line verdict, and the full verdict on the version's page."""
+    """The registered model's page in MLflow's UI at 1440 px: the champion alias on v1, each version's
+    row with at most six short tags and its description's figures first, none cut off; the full verdict
+    on the version's page."""
     name = "drafter-browser-test"
     champion, rejected = _register_synthetic_versions(flow_env, name)
     assert champion.champion and not rejected.champion
     ui = services["mlflow"].url
 
+    page.set_viewport_size({"width": 1440, "height": 1000})
     page.goto(f"{ui}/#/models/{name}")
     first_row = page.get_by_role("row").filter(has=page.get_by_role("link", name="Version 1", exact=True))
     second_row = page.get_by_role("row").filter(has=page.get_by_role("link", name="Version 2", exact=True))
@@ -258,30 +343,40 @@ def test_mlflow_registry_page_shows_the_champion_and_the_verdicts(
         close_assistant.first.click()
     assert "@ champion" in _text(first_row)
     assert "@ champion" not in _text(second_row)
-    # The versions list cuts the description to its first characters: the verdict's head.
-    description_cells = {
-        "1": _text(first_row.get_by_role("cell").last),
-        "2": _text(second_row.get_by_role("cell").last),
-    }
-    assert champion.verdict.startswith("champion: AL 2.24, speedup 1.90x @ c=1 on vLLM 0.32.0")
-    assert champion.verdict.startswith(description_cells["1"].rstrip(".")), description_cells
-    assert rejected.verdict.startswith("rejected (mean acceptance length 1.93 does not beat champion v1")
-    assert rejected.verdict.startswith(description_cells["2"].rstrip(".")), description_cells
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=ui, registry_uri=ui)
+    for row, registration in ((first_row, champion), (second_row, rejected)):
+        # The row's description cell opens with the figures (`AL 2.24 · 1.90x @ c=1`), not cut off.
+        description = row.get_by_role("cell").last
+        assert registration.verdict.startswith(_text(description).rstrip(".")), _text(description)
+        figures = " · ".join(registration.verdict.split(" · ")[:2])
+        assert figures.startswith("AL ") and not _clipped(description, figures), figures
+        # At most six tags, each shown whole as a `key: value` chip.
+        tags = client.get_model_version(name, registration.version).tags
+        chips = row.locator('[data-component-type="tag"][role="status"]')
+        shown = {" ".join(chip.inner_text().split()) for chip in chips.all()}
+        assert shown == {f"{key} : {value}" for key, value in tags.items()} and 0 < len(shown) <= 6, shown
+        for chip in chips.all():
+            whole = "e => [e, ...e.querySelectorAll('*')].every(n => n.scrollWidth <= n.clientWidth + 1)"
+            assert chip.evaluate(whole), chip.inner_text()
+    assert champion.verdict.startswith("AL 2.24 · 1.90x @ c=1")
+    assert rejected.verdict.startswith("AL 1.93 · 1.60x @ c=1") and "rejected" in rejected.verdict
     # The registered model's own description: the leaderboard names the champion.
     page.get_by_text(re.compile(r"Champion: v1, AL 2\.24")).first.wait_for()
     page.screenshot(path=str(screenshots / "mlflow-registry.png"), full_page=True)
 
     # A published drafter registered as a baseline (`diagnose --register --alias baseline`): its row beside
-    # the trained versions, aliased, never champion, its description opening with what it is.
+    # the trained versions, aliased, never champion, its description opening with its figures.
     baseline = _register_baseline(flow_env, name)
     page.reload()  # the same page: its versions are fetched again
     third_row = page.get_by_role("row").filter(has=page.get_by_role("link", name="Version 3", exact=True))
     third_row.wait_for()
     assert "@ baseline" in _text(third_row) and "@ champion" not in _text(third_row)
     cell = _text(third_row.get_by_role("cell").last).rstrip(".")  # the description's head
-    head = "external baseline: ok, AL 2.100 on vllm"
-    assert cell.startswith("external baseline") and head.startswith(cell[: len(head)]), cell
-    page.get_by_text(re.compile(r"external baseline")).first.wait_for()
+    description = client.get_model_version(name, baseline.version).description or ""
+    assert cell.startswith("AL 2.10") and description.startswith(cell), cell
+    assert "external baseline" in description.splitlines()[0]
     page.screenshot(path=str(screenshots / "mlflow-registry-with-baseline.png"), full_page=True)
     assert baseline.version == "3"
 

@@ -47,6 +47,9 @@ def test_deployment_run_completes_the_cycle(
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-3000:]
         assert "Completed" in output, output[-3000:]
+        # --watch shows the last log line: the links into the MLflow server `up` started (its SQLite file).
+        assert f"MLflow run: {services['mlflow'].url}/#/experiments/" in output, output[-3000:]
+        assert f"MLflow model version: {services['mlflow'].url}/#/models/" in output, output[-3000:]
         # The worker's run wrote its summary next to the session's first cycle: every stage a cache hit.
         cycles = Path(config_uri).parent
         summaries = sorted(cycles.glob("*/summary.json"), key=lambda path: path.stat().st_mtime)

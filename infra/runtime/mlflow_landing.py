@@ -22,15 +22,40 @@ from typing import Any
 LANDING_EXPERIMENT_ENV = "DRAFTLOOP_MLFLOW_EXPERIMENT"
 WORKFLOW_STORAGE_KEY = "mlflow.workflowType_v1"  # MLflow's useLocalStorage key: `${key}_v${version}`
 MODEL_TRAINING_WORKFLOW = "machine_learning"
+# MLflow's assistant opens itself over half the page on a browser's first visit unless this says it did.
+ASSISTANT_OPENED_KEY = "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1"
+# The runs table's columns on a browser's first visit to the experiment (what the sidebar's Columns menu
+# would save there): the cycle run's figures (infra/registry/cycle_run.py `cycle_columns`).
+RUNS_TABLE_COLUMNS = (
+    "metrics.`mean_acceptance_length`",
+    "metrics.`acceptance_pct`",
+    "metrics.`speedup_c1`",
+    "tags.`gate`",
+    "tags.`verdict`",
+    "tags.`model_version`",
+    "attributes.`Source`",
+)
+
+
+def _view_state_key(experiment_id: str) -> str:
+    """Where MLflow 3.17 keeps one experiment page's view (columns, sort) in the browser."""
+    return f'MLflowLocalStorage-1.1-ExperimentPage-["{experiment_id}"]-ReactComponentState'
 
 
 def landing_script(experiment_id: str | None) -> str:
     """The lines run before MLflow's bundle: the workflow default, and the bare root's first route."""
     route = json.dumps(f"#/experiments/{experiment_id}/runs") if experiment_id else "null"
+    defaults = {
+        WORKFLOW_STORAGE_KEY: json.dumps(MODEL_TRAINING_WORKFLOW),
+        ASSISTANT_OPENED_KEY: json.dumps(True),
+    }
+    if experiment_id:
+        defaults[_view_state_key(experiment_id)] = json.dumps({"selectedColumns": list(RUNS_TABLE_COLUMNS)})
     return (
         "<script>(function(){"
-        f"var key={json.dumps(WORKFLOW_STORAGE_KEY)};"
-        f"try{{if(!localStorage.getItem(key))localStorage.setItem(key,{json.dumps(json.dumps(MODEL_TRAINING_WORKFLOW))});}}"
+        f"var defaults={json.dumps(defaults)};"
+        "try{for(var key in defaults){"
+        "if(!localStorage.getItem(key))localStorage.setItem(key,defaults[key]);}}"
         "catch(e){}"
         f"var route={route};"
         'if(route&&(location.hash===""||location.hash==="#"||location.hash==="#/"))location.replace(route);'
