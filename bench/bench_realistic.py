@@ -100,7 +100,7 @@ def draftloop_run(
     (each step's FLOPs over all ranks) over the same steps, and tok/s over ``args.ratio_window`` steps
     (the ones the peer is timed on)."""
     torch.manual_seed(0)  # identical initial weights on every rank
-    drafter = Eagle3Drafter(drafter_config(s))
+    drafter = Eagle3Drafter(drafter_config(s, args.drafter))
     drafter.attach_embeddings(torch.randn(s["V"], s["H"]) * 0.02)
     head = torch.randn(s["VD"], s["H"]) * 0.02
     cfg = TrainConfig(
@@ -240,7 +240,7 @@ def long_row_table(s: dict[str, int], args: argparse.Namespace, dev: str, write:
     many tokens (one sample per row), tok/s over the steps after the first two (compilation, first
     allocations) and the peak memory; stops at the first length that runs out of memory."""
     table: list[dict[str, Any]] = []
-    cfg = drafter_config(s)
+    cfg = drafter_config(s, args.drafter)
     for length in args.long_rows:
         data = SyntheticHiddenStates(s, length, prompt_fraction=args.prompt_fraction, fixed_length=length)
         per_step = args.long_row_samples
@@ -301,6 +301,7 @@ def main() -> None:
         help="steps both trainers are compared on (after the warm ones; default: the shortest run's)",
     )
     parser.add_argument("--samples-per-step", type=int, default=64)
+    parser.add_argument("--drafter", default="eagle3", help="the drafter variant (eagle3, eagle3.1)")
     parser.add_argument("--pack-tokens", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument(
@@ -376,7 +377,7 @@ def main() -> None:
         + ([args.peer_steps] if args.peer else [])
     )
     args.ratio_window = min(args.ratio_window or shortest, shortest)
-    cfg = drafter_config(s)
+    cfg = drafter_config(s, args.drafter)
     args.step_flops, step_tokens = step_flops(
         cfg, FirstSteps(base, longest, args.samples_per_step), args.ttt, args.train_lm_head
     )

@@ -104,9 +104,11 @@ class FirstSteps:
             shares.close()  # (its shard prefetcher stops)
 
 
-def drafter_config(s: dict[str, int]) -> DrafterConfig:
+def drafter_config(s: dict[str, int], variant: str = "eagle3") -> DrafterConfig:
+    """The bench's drafter for shapes ``s``: ``variant`` as kernels/variants/ names it (EAGLE 3.1 with its
+    published defaults)."""
     return DrafterConfig.for_target(
-        target_config(s), LayerIds.default_for_depth(s["L"]), draft_vocab_size=s["VD"]
+        target_config(s), LayerIds.default_for_depth(s["L"]), draft_vocab_size=s["VD"], variant=variant
     )
 
 
