@@ -143,7 +143,13 @@ def test_tracking_goes_through_ups_server_only_for_the_file_it_serves(
 def test_the_root_page_opens_model_training_on_the_experiment() -> None:
     page = landing_page("<html><head><title>MLflow</title></head></html>", "4")
     script = page.split("<head>", 1)[1].split("<title>", 1)[0]
-    assert 'localStorage.setItem(key,"\\"machine_learning\\"")' in script
-    assert "if(!localStorage.getItem(key))" in script  # a browser's own choice is kept
+    defaults = json.loads(script.split("var defaults=", 1)[1].split(";", 1)[0])
+    assert json.loads(defaults["mlflow.workflowType_v1"]) == "machine_learning"
+    assert json.loads(defaults["mlflow.assistant.fab.autoOpenedOnFirstLoad_v1"]) is True
+    view = json.loads(defaults['MLflowLocalStorage-1.1-ExperimentPage-["4"]-ReactComponentState'])
+    assert "metrics.`mean_acceptance_length`" in view["selectedColumns"]
+    assert (
+        "if(!localStorage.getItem(key))localStorage.setItem(key,defaults[key])" in script
+    )  # a browser's own choice is kept
     assert 'var route="#/experiments/4/runs"' in script
     assert "var route=null" in landing_page("<head></head>", None)

@@ -180,6 +180,11 @@ def base_env(root: Path | None = None) -> dict[str, str]:
             "PREFECT_HOME": str(state_dir(root) / "prefect-server"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+            # `prefect deployment run --watch` interleaves the run's logs with its events only when the
+            # server publishes and streams logs (both off by default): the cycle's last line, with the
+            # MLflow links, then reaches the terminal that started the run.
+            "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+            "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
             "DRAFTLOOP_ROOT": str((root or Path.cwd()).resolve()),
             "DO_NOT_TRACK": "1",
         }

@@ -56,6 +56,7 @@ class EpochProgress:
 
 def append_epoch(work_dir: Path, progress: EpochProgress) -> None:
     """Rank 0, after each epoch: one complete line (the reader takes only lines ending in a newline)."""
+    Path(work_dir).mkdir(parents=True, exist_ok=True)  # the first epoch may end before any checkpoint
     with (Path(work_dir) / PROGRESS_FILE).open("a") as out:
         out.write(json.dumps(asdict(progress)) + "\n")
 
