@@ -108,7 +108,7 @@ def draftloop_run(
         epochs=1,  # (TrainConfig's default is the config's now: 8)
         batch_size=data.samples_per_step,
         lr=1e-4,
-        compile=True,
+        compile=args.compile,
         pack_tokens=args.pack_tokens,
         show_progress=False,
         train_lm_head=args.train_lm_head,
@@ -301,6 +301,12 @@ def main() -> None:
         help="steps both trainers are compared on (after the warm ones; default: the shortest run's)",
     )
     parser.add_argument("--samples-per-step", type=int, default=64)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch.compile the loss (--no-compile: eager, e.g. to compare variants without a compile each)",
+    )
     parser.add_argument("--drafter", default="eagle3", help="the drafter variant (eagle3, eagle3.1)")
     parser.add_argument("--pack-tokens", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=7)

@@ -38,7 +38,7 @@ def test_deployment_run_completes_the_cycle(
         params = json.dumps({"config_path": str(flow_env.config_path)})
         done = subprocess.run(
             [prefect, "deployment", "run", "train-and-eval/train-and-eval", "--params", params, "--watch"],
-            env={**os.environ, **env},
+            env={**os.environ, **env, "COLUMNS": "1000"},  # rich wraps at the width
             cwd=str(REPO_ROOT),
             capture_output=True,
             text=True,
@@ -48,8 +48,10 @@ def test_deployment_run_completes_the_cycle(
         assert done.returncode == 0, output[-3000:]
         assert "Completed" in output, output[-3000:]
         # --watch shows the last log line: the links into the MLflow server `up` started (its SQLite file).
-        assert f"MLflow run: {services['mlflow'].url}/#/experiments/" in output, output[-3000:]
-        assert f"MLflow model version: {services['mlflow'].url}/#/models/" in output, output[-3000:]
+        # (rich breaks a long line at its spaces: read the words)
+        words = " ".join(output.split())
+        assert f"MLflow run: {services['mlflow'].url}/#/experiments/" in words, output[-3000:]
+        assert f"MLflow model version: {services['mlflow'].url}/#/models/" in words, output[-3000:]
         # The worker's run wrote its summary next to the session's first cycle: every stage a cache hit.
         cycles = Path(config_uri).parent
         summaries = sorted(cycles.glob("*/summary.json"), key=lambda path: path.stat().st_mtime)
