@@ -77,38 +77,6 @@ def greedy_conversations(
     return conversations
 
 
-@torch.no_grad()
-def capture_samples(
-    target: Any, conversations: Sequence[tuple[list[int], list[int]]], layer_ids: Any, batch_size: int = 32
-) -> list[Sample]:
-    """Shard samples (input_ids, loss_mask on the answer, aux and final hidden states), captured in
-    right-padded batches (causal attention: padding never reaches a real token)."""
-    from draftloop.kernels.capture import capture_aux_hidden_states
-
-    samples: list[Sample] = []
-    for start in range(0, len(conversations), batch_size):
-        chunk = conversations[start : start + batch_size]
-        rows = [prompt + answer for prompt, answer in chunk]
-        width = max(len(ids) for ids in rows)
-        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in rows])
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in rows])
-        captured = capture_aux_hidden_states(target, input_ids, layer_ids, attention_mask=mask)
-        assert captured.last is not None
-        for row, (prompt, answer) in enumerate(chunk):
-            length = len(prompt) + len(answer)
-            loss_mask = torch.zeros(length, dtype=torch.uint8)
-            loss_mask[len(prompt) :] = 1
-            samples.append(
-                {
-                    "input_ids": input_ids[row, :length].clone(),
-                    "loss_mask": loss_mask,
-                    "aux_hidden": captured.aux[row, :length].clone(),
-                    "last_hidden": captured.last[row, :length].clone(),
-                }
-            )
-    return samples
-
-
 def train(target: Any, layer_ids: Any, samples: list[Sample], variant: str, seed: int, args: Any) -> Any:
     """A drafter of `variant` trained on `samples` (initial weights and sample order from `seed`)."""
     from draftloop.kernels.data import InMemorySamples
@@ -158,6 +126,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     from draftloop.infra.synthesis.long_context import category_for, long_context_prompts, source_fingerprint
     from draftloop.infra.targets.zoo import create_tiny_model
+    from draftloop.kernels.capture import conversation_samples
     from draftloop.kernels.families.base import family_for_config
     from draftloop.kernels.simulate import simulate_acceptance
 
@@ -170,7 +139,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     layer_ids = family_for_config(target.config).default_aux_layer_ids(int(target.config.num_hidden_layers))
     prompts = builtin_prompts()
     train_prompts, held_out = prompts[: args.train_prompts], prompts[-args.held_out :]
-    samples = capture_samples(
+    samples = conversation_samples(
         target, greedy_conversations(target, tokenizer, train_prompts, args.answer_tokens), layer_ids
     )
     long_set = long_context_prompts(tokenizer, args.long_lengths, args.long_prompts)

@@ -8,7 +8,7 @@ config's model_type) says where the layers and the norm are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .families.base import family_for_config
 from .layer_ids import LayerIds
 
-__all__ = ["CaptureResult", "capture_aux_hidden_states"]
+__all__ = ["CaptureResult", "capture_aux_hidden_states", "conversation_samples"]
 
 
 @dataclass
@@ -98,3 +98,37 @@ def capture_aux_hidden_states(
         raise RuntimeError(f"layers {missing} did not run (model truncated?)")
     aux = torch.cat([captured[i] for i in ids], dim=-1)
     return CaptureResult(aux=aux, last=last[-1] if last else None, logits=logits)
+
+
+@torch.no_grad()
+def conversation_samples(
+    model: nn.Module,
+    conversations: Sequence[tuple[list[int], list[int]]],
+    layer_ids: LayerIds,
+    batch_size: int = 32,
+) -> list[dict[str, Tensor]]:
+    """Shard-shaped samples of (prompt ids, answer ids) pairs: input_ids, loss_mask on the answer, aux
+    and final hidden states. Captured in right-padded batches: attention is causal, so padding never
+    reaches a real token and each row's states are those of its conversation alone."""
+    samples: list[dict[str, Tensor]] = []
+    for start in range(0, len(conversations), batch_size):
+        chunk = conversations[start : start + batch_size]
+        rows = [prompt + answer for prompt, answer in chunk]
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in rows])
+        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in rows])
+        captured = capture_aux_hidden_states(model, input_ids, layer_ids, attention_mask=mask)
+        assert captured.last is not None
+        for row, (prompt, answer) in enumerate(chunk):
+            length = len(prompt) + len(answer)
+            loss_mask = torch.zeros(length, dtype=torch.uint8)
+            loss_mask[len(prompt) :] = 1
+            samples.append(
+                {
+                    "input_ids": input_ids[row, :length].clone(),
+                    "loss_mask": loss_mask,
+                    "aux_hidden": captured.aux[row, :length].clone(),
+                    "last_hidden": captured.last[row, :length].clone(),
+                }
+            )
+    return samples

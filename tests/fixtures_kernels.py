@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from draftloop.kernels.capture import conversation_samples
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILTIN_PROMPTS = REPO_ROOT / "draftloop" / "data" / "prompts.jsonl"
 
@@ -217,7 +219,7 @@ class TrainedPair:
         simulated outputs, which equal the target's greedy decode), captured at `layer_ids`."""
         outputs = self.simulate("trained", self.drafter).results
         conversations = [(result.prompt_token_ids, result.output_token_ids) for result in outputs]
-        return capture_samples(self.target, conversations, layer_ids)
+        return conversation_samples(self.target, conversations, layer_ids)
 
 
 Conversation = tuple[list[int], list[int]]  # (chat-templated prompt ids, answer ids)
@@ -249,41 +251,11 @@ def greedy_answers(
     return conversations
 
 
-def capture_samples(
-    target: Any, conversations: list[Conversation], layer_ids: Any, batch_size: int = 32
-) -> list[dict[str, torch.Tensor]]:
-    """Shard samples (input_ids, loss_mask on the answer, aux and last hidden states) of conversations,
-    captured in right-padded batches (causal attention: padding never reaches a real token)."""
-    from draftloop.kernels.capture import capture_aux_hidden_states
-
-    samples: list[dict[str, torch.Tensor]] = []
-    for start in range(0, len(conversations), batch_size):
-        chunk = [prompt + answer for prompt, answer in conversations[start : start + batch_size]]
-        width = max(len(ids) for ids in chunk)
-        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in chunk])
-        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in chunk])
-        captured = capture_aux_hidden_states(target, input_ids, layer_ids, attention_mask=attention)
-        assert captured.last is not None
-        for row, (prompt, answer) in enumerate(conversations[start : start + batch_size]):
-            length = len(prompt) + len(answer)
-            loss_mask = torch.zeros(length, dtype=torch.uint8)
-            loss_mask[len(prompt) :] = 1
-            samples.append(
-                {
-                    "input_ids": input_ids[row, :length].clone(),
-                    "loss_mask": loss_mask,
-                    "aux_hidden": captured.aux[row, :length].clone(),
-                    "last_hidden": captured.last[row, :length].clone(),
-                }
-            )
-    return samples
-
-
 def greedy_samples(
     target: Any, tokenizer: Any, prompts: list[str], layer_ids: Any, max_new_tokens: int
 ) -> list[dict[str, torch.Tensor]]:
     """The target's own greedy answers to `prompts`, with the hidden states a shard would hold."""
-    return capture_samples(target, greedy_answers(target, tokenizer, prompts, max_new_tokens), layer_ids)
+    return conversation_samples(target, greedy_answers(target, tokenizer, prompts, max_new_tokens), layer_ids)
 
 
 def trained_drafter(
