@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +124,17 @@ def test_two_rank_efficiency_bound_from_the_split_and_packing() -> None:
     )
     assert by_tokens[0] >= 0.97 and by_tokens[1] >= 0.97
     assert by_tokens[0] > by_shards[0]
+
+
+def test_the_configured_split_reaches_each_workers_samples(tmp_path: Path) -> None:
+    """training.rank_split (the job's rank_split) is the split of the samples a worker trains on."""
+    from draftloop.infra.runtime.storage import Manifest, ShardInfo
+    from draftloop.infra.training.sources import StoredHiddenStates, worker_data
+
+    # Shards are read only when training reaches them: their records are enough here.
+    shards = [ShardInfo(name=f"{n}.safetensors", rows=8, sha256="0" * 64, size=1000 + n) for n in range(4)]
+    hidden = StoredHiddenStates(
+        Manifest(stage="extract", uri=str(tmp_path), shards=shards, created_at=""), {}
+    )
+    for split in ("shards", "tokens"):
+        assert worker_data(hidden, 1, 1, 0, 0, split).samples.split == split

@@ -235,6 +235,7 @@ def _worker_job(root: Path, work: str, held_out: int = 0) -> TrainingJob:
         work_dir=root / work,
         shuffle_window_shards=2,
         prefetch_shards=1,
+        rank_split="shards",
         held_out_samples=held_out,
         acceptance_k=3,
         train=TrainConfig(**CFG, max_length=64, pack_tokens=40, checkpoint_every_steps=2),

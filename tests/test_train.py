@@ -254,6 +254,18 @@ def test_training_section_options_reach_train_config(monkeypatch: pytest.MonkeyP
     for name in shared:
         assert getattr(cfg, name) == getattr(config.training, name), name
     assert pickle.loads(pickle.dumps(job)) == job  # it travels to the Ray workers pickled
+    assert job.rank_split == "shards"
+    raw["training"]["rank_split"] = "tokens"
+    tokens_job = train_task.loop_config(
+        ExperimentConfig.from_dict(raw, check_environment=False),
+        SimpleNamespace(manifest=manifest),  # type: ignore[arg-type]
+        tmp_path,
+    )
+    assert tokens_job.rank_split == "tokens"
+    raw["training"]["rank_split"] = "rows"
+    with pytest.raises(ConfigError, match=r"training\.rank_split"):
+        ExperimentConfig.from_dict(raw, check_environment=False)
+    raw["training"]["rank_split"] = "shards"
     raw["training"]["lr_schedule"] = "step"
     with pytest.raises(ConfigError, match=r"training\.lr_schedule"):
         ExperimentConfig.from_dict(raw, check_environment=False)
@@ -286,6 +298,7 @@ def test_worker_starts_the_final_norm_from_the_target_or_ones(target_and_samples
         work_dir=tmp_path / "work",
         shuffle_window_shards=1,
         prefetch_shards=1,
+        rank_split="shards",
         held_out_samples=0,
         acceptance_k=3,
         train=TrainConfig(seed=0, show_progress=False),

@@ -45,6 +45,7 @@ from draftloop.infra.engines.base import (
 from draftloop.infra.engines.pairing import FineTuneContract, check_drafter_contract
 from draftloop.infra.targets import zoo
 from draftloop.infra.targets.support import TargetRefusedError, refuse_unsupported_target, target_model_config
+from draftloop.kernels.data import RankSplit
 from draftloop.kernels.drafter import DrafterConfig
 from draftloop.kernels.families.base import (
     TargetFamily,
@@ -188,6 +189,10 @@ class TrainingConfig(_Section):
     # shards of a window, so keep it at least num_workers.
     shuffle_window_shards: int = Field(default=8, ge=1)
     prefetch_shards: int = Field(default=2, ge=1)  # shards a worker reads ahead
+    # How workers share each step (kernels/data.py): "shards" (each reads only its own shards; whole
+    # shards make the shares uneven, a 2-GPU bound of ~0.92) or "tokens" (each step's samples dealt by
+    # tokens: a bound of ~0.98, but every worker reads every shard of a window).
+    rank_split: RankSplit = "shards"
     num_workers: int = Field(default=1, ge=1)
     num_gpus_per_worker: float = Field(default=0, ge=0)
     # torch.compile the TTT loss: ~2x faster on CUDA after ~2 min of compilation (bench/RESULTS.md).

@@ -15,6 +15,7 @@ from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import state_dir
 from draftloop.infra.runtime.storage import Manifest, storage_options
 from draftloop.infra.training.sources import HiddenStates, StoredHiddenStates
+from draftloop.kernels.data import RankSplit
 from draftloop.kernels.layer_ids import LayerIds
 from draftloop.kernels.train import TrainConfig
 
@@ -39,6 +40,7 @@ class TrainingJob:
     work_dir: Path  # checkpoints, the best epoch's weights, final/
     shuffle_window_shards: int
     prefetch_shards: int
+    rank_split: RankSplit  # how workers share each step (training.rank_split)
     held_out_samples: int  # asked for; at most a tenth of the data is held out
     acceptance_k: int  # draft length of the held-out acceptance estimate
     train: TrainConfig
@@ -91,6 +93,7 @@ class TrainingJob:
             work_dir=Path(work_dir),
             shuffle_window_shards=int(section.shuffle_window_shards),
             prefetch_shards=int(section.prefetch_shards),
+            rank_split=section.rank_split,
             held_out_samples=int(section.held_out_samples),
             acceptance_k=int(config.engine.num_speculative_tokens),
             train=train,

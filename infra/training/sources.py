@@ -23,7 +23,7 @@ import torch
 
 from draftloop.infra.extraction.producer import ProducedShard, StreamShard, cached_shard_info
 from draftloop.infra.runtime.storage import Manifest, StorageOptions, join, read_bytes, read_shard
-from draftloop.kernels.data import HeldOut, ShardedSamples, ShardRef, split_held_out
+from draftloop.kernels.data import HeldOut, RankSplit, ShardedSamples, ShardRef, split_held_out
 from draftloop.kernels.shards import iter_hidden_samples, shard_from_bytes
 
 Sample = Mapping[str, torch.Tensor]
@@ -107,7 +107,9 @@ def _training_split(refs: list[ShardRef], held_out: int) -> tuple[list[ShardRef]
     return training, plan, {shard.name: shard.num_samples for shard in training}
 
 
-def stored_samples(hidden: StoredHiddenStates, window: int, prefetch: int, held_out: int) -> WorkerData:
+def stored_samples(
+    hidden: StoredHiddenStates, window: int, prefetch: int, held_out: int, split: RankSplit = "shards"
+) -> WorkerData:
     """The extract stage's shards, each read (integrity-checked) only when training needs it."""
 
     def read(name: str) -> list[Sample]:
@@ -127,11 +129,15 @@ def stored_samples(hidden: StoredHiddenStates, window: int, prefetch: int, held_
     def load_held_out() -> list[Sample]:
         return [s for name, count in plan.per_shard.items() for s in read(name)[-count:]]
 
-    samples = ShardedSamples(training, load_training, window_shards=window, prefetch_shards=prefetch)
+    samples = ShardedSamples(
+        training, load_training, window_shards=window, prefetch_shards=prefetch, split=split
+    )
     return WorkerData(samples, load_held_out, load_training)
 
 
-def streamed_samples(hidden: StreamedHiddenStates, window: int, held_out: int, rank: int) -> WorkerData:
+def streamed_samples(
+    hidden: StreamedHiddenStates, window: int, held_out: int, rank: int, split: RankSplit = "shards"
+) -> WorkerData:
     """The producers' shards, `hidden.depth` asked ahead (the byte cap), each received once through
     the object store; in hybrid mode, shards stored by an earlier epoch are read back instead."""
     by_name = {shard.name: shard for shard in hidden.shards}
@@ -204,14 +210,17 @@ def streamed_samples(hidden: StreamedHiddenStates, window: int, held_out: int, r
         window_shards=window,
         prefetch_shards=hidden.depth,
         submit_shard=submit_training,
+        split=split,
     )
     return WorkerData(samples, load_held_out, load_tokens, traffic)
 
 
-def worker_data(hidden: HiddenStates, window: int, prefetch: int, held_out: int, rank: int) -> WorkerData:
+def worker_data(
+    hidden: HiddenStates, window: int, prefetch: int, held_out: int, rank: int, split: RankSplit = "shards"
+) -> WorkerData:
     if isinstance(hidden, StreamedHiddenStates):
-        return streamed_samples(hidden, window, held_out, rank)
-    return stored_samples(hidden, window, prefetch, held_out)
+        return streamed_samples(hidden, window, held_out, rank, split)
+    return stored_samples(hidden, window, prefetch, held_out, split)
 
 
 def sample_count(hidden: HiddenStates) -> int:

@@ -121,7 +121,9 @@ def train_worker(
     Ray-free apart from `report` (a metrics callback) and torch.distributed when `world` > 1.
     """
     held_out_samples = held_out_count(sample_count(job.hidden), job.held_out_samples)
-    source = worker_data(job.hidden, job.shuffle_window_shards, job.prefetch_shards, held_out_samples, rank)
+    source = worker_data(
+        job.hidden, job.shuffle_window_shards, job.prefetch_shards, held_out_samples, rank, job.rank_split
+    )
     data = source.samples
     drafter, lm_head = _build_drafter(job, source, rank, world)
     work = job.work_dir
