@@ -8,7 +8,18 @@ from __future__ import annotations
 import typer
 
 from draftloop import __version__
-from draftloop.commands import config_cmd, diagnose, engine, export, models, run, services, simulate, status
+from draftloop.commands import (
+    config_cmd,
+    diagnose,
+    engine,
+    export,
+    models,
+    run,
+    services,
+    simulate,
+    status,
+    sweep,
+)
 
 app = typer.Typer(
     name="draftloop",
@@ -23,7 +34,7 @@ def _root() -> None:
     """draftloop: synthesize -> extract -> train -> serve -> measure -> register, as one retryable run."""
 
 
-for _module in (run, models, config_cmd, simulate, diagnose, export, engine, services, status):
+for _module in (run, sweep, models, config_cmd, simulate, diagnose, export, engine, services, status):
     _module.register(app)
 
 

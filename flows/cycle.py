@@ -97,6 +97,19 @@ class TrainAndEvalParams(BaseModel):
         return ExperimentConfig.load(self.config, self.config_overrides())
 
 
+class CycleNesting(BaseModel):
+    """Where a cycle's MLflow run goes when it is part of a sweep (flows/sweep.py): nested under the
+    sweep's run, or `resume_run_id` (the winner's own run, running on to register); with `owns_ray`
+    False, Ray is the sweep's to stop (its variants run at once)."""
+
+    parent_run_id: str | None = None
+    resume_run_id: str | None = None
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    owns_ray: bool = True
+    origin: str | None = None  # the registry card's origin row (CycleContext.origin)
+
+
 def _run_id() -> str:
     """The Prefect flow run's id (cancellation hooks find the run's PID record by it)."""
     return str(current_flow_run.id) if current_flow_run.id else uuid.uuid4().hex
@@ -179,10 +192,15 @@ def mlflow_links(
 
 
 def run_cycle(
-    params: TrainAndEvalParams, until: str | None = None, pipeline: Pipeline | None = None
+    params: TrainAndEvalParams,
+    until: str | None = None,
+    pipeline: Pipeline | None = None,
+    nesting: CycleNesting | None = None,
 ) -> dict[str, Any]:
     """The pipeline's stages up to and including `until` (default: all of them; the per-stage
-    deployments stop early). `pipeline`: the config's (`pipeline_for`) unless given."""
+    deployments stop early). `pipeline`: the config's (`pipeline_for`) unless given; `nesting`: a
+    sweep's variant (its MLflow run's place, who stops Ray)."""
+    nesting = nesting or CycleNesting()
     if until:  # an unknown stage: refused before anything starts
         (pipeline or CYCLE).stage(until)
     install_log_redaction()
@@ -203,7 +221,13 @@ def run_cycle(
     stages = pipeline.until(until) if until else pipeline
     run_id = _run_id()
     tracker = Tracker.from_config(config)
-    ctx = CycleContext(config=config, run_id=run_id, tracker=tracker, run_uri=run_folder_uri(config, run_id))
+    ctx = CycleContext(
+        config=config,
+        run_id=run_id,
+        tracker=tracker,
+        run_uri=run_folder_uri(config, run_id),
+        origin=nesting.origin,
+    )
     ctx.pids.claim()
     register_secrets(secret_values(config.model_dump(mode="json")))
     dumped = redact(config.model_dump(mode="json"))  # what is shown (params, config.json): no secrets
@@ -211,14 +235,17 @@ def run_cycle(
     deployment = current_deployment.name
     source = f"{current_flow_run.flow_name}/{deployment}" if deployment else f"draftloop run {params.config}"
     cycle_run = tracker.start_cycle(
-        run_name=f"{config.name}-{run_id[:8]}",
+        run_name=nesting.run_name or f"{config.name}-{run_id[:8]}",
         params=flatten_params(dumped),
         tags={
             "draftloop.config": config.name,
             "prefect.flow_run_id": run_id,
             "draftloop.until": stages.names[-1],
             **source_tags(source, flow_run_url),
+            **nesting.tags,
         },
+        parent_run_id=nesting.parent_run_id,
+        resume_run_id=nesting.resume_run_id,
     )
     tracker.describe_cycle(running_description(config.name, stages.names[-1], flow_run_url))
     cycle_run.log_dict(dumped, "config.json")
@@ -234,7 +261,7 @@ def run_cycle(
         raise
     finally:
         # Ray starts lazily, in the first stage that really runs (a fully cached cycle never pays for it).
-        if ray_cluster.started_here():
+        if ray_cluster.started_here() and nesting.owns_ray:
             ray_cluster.shutdown_ray()
             ctx.pids.forget("ray")
         ctx.pids.stop_all()  # anything a stage left behind (engine servers)

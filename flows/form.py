@@ -37,3 +37,8 @@ Epochs = Annotated[int, _titled("Training epochs", ge=1, le=1000)]
 NumSpeculativeTokens = Annotated[int, _titled("Draft tokens per step (k)", ge=1, le=16)]
 DrafterInit = Annotated[str, _titled("Fine-tune from drafter")]
 Overrides = Annotated[dict[str, Any], _titled("Other config values")]
+
+# The `sweep` form (flows/sweep.py): each grid value list and variant a JSON value.
+SweepGrid = Annotated[dict[str, list[Any]], _titled("Grid: values per config key")]
+SweepList = Annotated[list[dict[str, Any]], _titled("More variants (config keys each)")]
+Parallel = Annotated[int, _titled("Variants at once", ge=1, le=16)]

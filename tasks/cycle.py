@@ -52,6 +52,7 @@ class CycleContext:
     run_uri: str
     timings: dict[str, StageTiming] = field(default_factory=dict)
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
+    origin: str | None = None  # what runs this cycle when not a person: a sweep (the registry says so)
 
     @property
     def pids(self) -> PidRecord:

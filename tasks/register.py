@@ -53,6 +53,7 @@ def produce(request: StageRequest) -> Manifest:
         layer_id_convention="layer_input",
         convention_exported=trained.convention_exported or str(config.engine.kind),
         variant=str(config.training.drafter),
+        origin=request.cycle.origin,
         hashes={
             "data_hash": conversations.manifest.content_hash(),
             # a pipeline without stored hidden states (online training) has no extract manifest

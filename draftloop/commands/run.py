@@ -42,6 +42,24 @@ def _embedded_defaults(state: Path) -> dict[str, str]:
     }
 
 
+def prepare_run_environment(console: Console) -> None:
+    """Prefect's settings for a flow run in this process, once its config is accepted (before Prefect
+    is imported by the flow)."""
+    state = state_dir()
+    for key, value in _embedded_defaults(state).items():
+        os.environ.setdefault(key, value)
+    # While `draftloop up`'s Prefect server runs, the cycle runs on it (one history, the `gpus` limit
+    # shared with the deployments' runs, a flow-run page the MLflow run links to); a set
+    # PREFECT_API_URL wins. (Its MLflow server is found by the tracker: infra/registry/runs.py.)
+    served = served_prefect_api()
+    if served and "PREFECT_API_URL" not in os.environ:
+        os.environ["PREFECT_API_URL"] = served
+        console.print(f"Prefect: the server of `draftloop up`, {served}")
+    # Prefect creates PREFECT_HOME on import without its parents (a warning on a fresh checkout), and
+    # sqlite will not create it either: made here, once the config is accepted.
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
     from draftloop.flows.cycle_report import summary_title  # the flows package: only when a cycle ran
     from draftloop.infra.registry.figures import format_percent
@@ -149,19 +167,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         console.print(f"[red]error:[/red] --{error} (stages: {', '.join(pipeline.names)})")
         raise typer.Exit(2) from None
     read_data_or_exit(config)
-    state = state_dir()
-    for key, value in _embedded_defaults(state).items():
-        os.environ.setdefault(key, value)
-    # While `draftloop up`'s Prefect server runs, the cycle runs on it (one history, the `gpus` limit
-    # shared with the deployments' runs, a flow-run page the MLflow run links to); a set
-    # PREFECT_API_URL wins. (Its MLflow server is found by the tracker: infra/registry/runs.py.)
-    served = served_prefect_api()
-    if served and "PREFECT_API_URL" not in os.environ:
-        os.environ["PREFECT_API_URL"] = served
-        console.print(f"Prefect: the server of `draftloop up`, {served}")
-    # Prefect creates PREFECT_HOME on import without its parents (a warning on a fresh checkout), and
-    # sqlite will not create it either: made here, once the config is accepted.
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    prepare_run_environment(console)
     from draftloop.flows.train_and_eval import train_and_eval
     from draftloop.tasks.cycle import PROGRESS_LOG
 

@@ -1,9 +1,10 @@
 """`draftloop status`: the experiment's recent cycles from MLflow, newest first, with their verdicts.
 
-Each cycle is one parent run (tag `draftloop.kind = cycle`); its figures come from the `summary.json`
-the flow logs on it (also for a failed cycle), or from the run's metrics while that is missing. The table
-fits 80 columns: one short cell per figure, and what does not fit a cell (a gate's reason, a flagged
-speedup, the model's name) in notes under it.
+Each cycle is one parent run (tag `draftloop.kind = cycle`); a sweep (`draftloop.kind = sweep`) is one
+line with its winner's figures (its variants' cycles have lines of their own). A cycle's figures come
+from the `summary.json` the flow logs on it (also for a failed cycle), or from the run's metrics while
+that is missing. The table fits 80 columns: one short cell per figure, and what does not fit a cell (a
+gate's reason, a flagged speedup, the model's name) in notes under it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from draftloop.infra.runtime.config import ConfigError, ExperimentConfig
 
 # The same default as `draftloop run`/`demo` and the flow's form: its store is `draftloop up`'s.
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml"
-CYCLE_FILTER = "tags.`draftloop.kind` = 'cycle'"
 
 
 @dataclass
@@ -44,9 +44,14 @@ class CycleRow:
 
 def _load_summary(client: Any, run_id: str) -> dict[str, Any] | None:
     """The cycle's summary.json, or None (a running cycle has none yet; a crash may leave none)."""
+    return _load_artifact(client, run_id, "summary.json")
+
+
+def _load_artifact(client: Any, run_id: str, name: str) -> dict[str, Any] | None:
+    """A JSON artifact of the run, or None when absent or unreadable."""
     with tempfile.TemporaryDirectory(prefix="draftloop-status-") as scratch:
         try:
-            path = client.download_artifacts(run_id, "summary.json", scratch)
+            path = client.download_artifacts(run_id, name, scratch)
             loaded: dict[str, Any] = json.loads(Path(path).read_text())
         except Exception:  # absent or unreadable: the row shows what the run itself holds
             return None
@@ -86,6 +91,37 @@ def cycle_row(client: Any, run: Any) -> CycleRow:
     )
 
 
+def sweep_row(client: Any, run: Any) -> CycleRow:
+    """A sweep's parent run as one line: its winner's figures, version and gate (flows/sweep.py)."""
+    metrics, tags = run.data.metrics, run.data.tags
+    sweep = _load_artifact(client, run.info.run_id, "sweep/sweep.json") or {}
+    registered = sweep.get("registered_model") or {}
+    winner = tags.get("draftloop.winner")
+    variants = int(metrics.get("variants", len(sweep.get("variants") or [])))
+    if registered:
+        gate = (
+            "passed: champion"
+            if registered.get("champion")
+            else "rejected: "
+            + "; ".join((registered.get("gate") or {}).get("reasons") or ["gate not passed"])
+        )
+    else:
+        gate = "-"
+    return CycleRow(
+        started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%m-%d %H:%M"),
+        name=run.info.run_name or run.info.run_id,
+        status=str(run.info.status).lower(),
+        verdict=f"sweep of {variants}"
+        + (f", winner {winner}" if winner and winner != "none" else ", no winner"),
+        acceptance_length=format_figure(
+            as_number(metrics.get("winner.mean_acceptance_length")), 2, missing="-"
+        ),
+        speedup_c1=format_figure(as_number(metrics.get("winner.speedup_c1")), 2, "x", missing="-"),
+        model_version=f"{registered.get('name')} v{registered.get('version')}" if registered else "-",
+        gate=gate,
+    )
+
+
 def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleRow] | None:
     """The `limit` newest cycles of `experiment`, newest first; None when the experiment does not exist."""
     # Imported here: mlflow is slow to import for the other commands. The registry package (figures, above)
@@ -98,13 +134,21 @@ def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleR
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return None
-    runs = client.search_runs(
-        [found.experiment_id],
-        filter_string=CYCLE_FILTER,
-        order_by=["attributes.start_time DESC"],
-        max_results=limit,
-    )
-    return [cycle_row(client, run) for run in runs]
+    runs = [
+        run
+        for kind in ("cycle", "sweep")
+        for run in client.search_runs(
+            [found.experiment_id],
+            filter_string=f"tags.`draftloop.kind` = '{kind}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=limit,
+        )
+    ]
+    runs = sorted(runs, key=lambda run: run.info.start_time, reverse=True)[:limit]
+    return [
+        sweep_row(client, run) if run.data.tags.get("draftloop.kind") == "sweep" else cycle_row(client, run)
+        for run in runs
+    ]
 
 
 FLAGGED = "*"  # marks a speedup not to act on (inconclusive, a measurement error): the notes say which

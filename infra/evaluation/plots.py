@@ -142,3 +142,26 @@ def _plot_k_sweep(sweep: Sequence[KSweepEntry], path: Path) -> Path:
     if axis.get_legend_handles_labels()[0]:
         axis.legend()
     return _save(figure, path)
+
+
+def plot_sweep(points: Sequence[tuple[str, Any, Mapping[str, float | None]]], path: str | Path) -> Path:
+    """A sweep's comparison: one column per swept key, one row per figure (AL, acceptance %, speedup
+    @ c=1), each variant a point at its swept value. `points`: (swept key, value, figures by name)."""
+    plt = _pyplot()
+    keys = list(dict.fromkeys(key for key, _, _ in points))
+    names = list(dict.fromkeys(name for _, _, figures in points for name in figures))
+    figure, axes = plt.subplots(
+        len(names), len(keys), figsize=(4 * len(keys), 2.6 * len(names)), squeeze=False
+    )
+    for column, key in enumerate(keys):
+        # Values may be strings or lists: placed in first-seen order, labelled as given.
+        values = list(dict.fromkeys(str(value) for k, value, _ in points if k == key))
+        for row, name in enumerate(names):
+            axis = axes[row][column]
+            xs = [values.index(str(value)) for k, value, figures in points if k == key]
+            ys = [figures.get(name) for k, _, figures in points if k == key]
+            axis.scatter(xs, [float("nan") if y is None else y for y in ys])
+            axis.set_xticks(range(len(values)), values)
+            axis.set_xlabel(key)
+            axis.set_ylabel(name)
+    return _save(figure, path)

@@ -58,6 +58,7 @@ class DrafterCard:
     convention_exported: str  # the engine whose convention the exported config follows
     hashes: Mapping[str, str] = field(default_factory=dict)  # {"data_hash": sha256, ...}
     variant: str = "eagle3"  # the drafter variant (training.drafter: eagle3, eagle3.1)
+    origin: str | None = None  # what chose it, when not a lone cycle: "winner of sweep ab12cd34 (4 variants)"
 
     @property
     def engine_label(self) -> str:
@@ -74,6 +75,7 @@ class DrafterCard:
             "layer_id_convention": self.layer_id_convention,
             "convention_exported": self.convention_exported,
             **{key: value[:SHORT_HASH] for key, value in self.hashes.items()},
+            **({"origin": self.origin} if self.origin else {}),
         }
 
     def provenance_rows(self) -> list[tuple[str, str]]:
@@ -83,6 +85,8 @@ class DrafterCard:
             ("drafter", f"{self.variant}, aux layers {ids} ({self.layer_id_convention}), "
                         f"exported for {self.convention_exported}"),
         ]  # fmt: skip
+        if self.origin:
+            rows.append(("origin", self.origin))
         if self.hashes:
             hashes = ", ".join(f"{key} {value[:SHORT_HASH]}" for key, value in self.hashes.items())
             rows.append(("content hashes", hashes))

@@ -186,13 +186,55 @@ class Tracker:
         return cls(config.tracking.mlflow_uri, config.tracking.artifact_root, config.tracking.experiment)
 
     # -- parent run ---------------------------------------------------------------------------------------
-    def start_cycle(self, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str]) -> StageRun:
-        run = self.client.create_run(
-            self.experiment_id, run_name=run_name, tags={**tags, "draftloop.kind": "cycle"}
+    def start_cycle(
+        self,
+        run_name: str,
+        params: Mapping[str, Any],
+        tags: Mapping[str, str],
+        parent_run_id: str | None = None,
+        resume_run_id: str | None = None,
+    ) -> StageRun:
+        """The cycle's run: a new one (nested under `parent_run_id`, a sweep's run, when given), or
+        `resume_run_id` running again (a sweep's winner registered in its own variant's run)."""
+        if resume_run_id is not None:
+            self.client.update_run(resume_run_id, status="RUNNING")
+            run_id = resume_run_id
+            self.client.log_batch(run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
+        else:
+            nested = {MLFLOW_PARENT_RUN_ID: parent_run_id} if parent_run_id else {}
+            run = self.client.create_run(
+                self.experiment_id, run_name=run_name, tags={**tags, **nested, "draftloop.kind": "cycle"}
+            )
+            run_id = run.info.run_id
+        self.parent_run_id = run_id
+        handle = StageRun(self.client, run_id, "cycle")
+        if resume_run_id is None:
+            handle.log_params(params)
+        return handle
+
+    def sweep_run(
+        self, sweep_key: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str]
+    ) -> StageRun:
+        """The sweep's parent run: the one an earlier run of the same sweep started (tag
+        `draftloop.sweep_key`), running again, or a new one. Variants' cycle runs nest under it."""
+        found = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`draftloop.sweep_key` = '{sweep_key}' and tags.`draftloop.kind` = 'sweep'",
+            max_results=1,
         )
-        self.parent_run_id = run.info.run_id
-        handle = StageRun(self.client, run.info.run_id, "cycle")
-        handle.log_params(params)
+        if found:
+            run_id = found[0].info.run_id
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=run_name,
+                tags={**tags, "draftloop.sweep_key": sweep_key, "draftloop.kind": "sweep"},
+            )
+            run_id = run.info.run_id
+        handle = StageRun(self.client, run_id, "sweep")
+        if not found:
+            handle.log_params(params)
         return handle
 
     def describe_cycle(self, text: str) -> None:
