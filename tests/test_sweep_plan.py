@@ -197,3 +197,16 @@ def test_the_sweep_form_is_typed() -> None:
     )
     for name, field in fields.items():
         assert field.get("description") and field.get("title"), name
+
+
+def test_deploy_reads_the_sweep_form_from_source() -> None:
+    """`prefect deploy` builds the schema from the entrypoint's source: the same typed form."""
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    from draftloop.flows.sweep import sweep
+
+    imported = parameter_schema(sweep).model_dump_for_openapi()["properties"]
+    from_source = parameter_schema_from_entrypoint(
+        str(REPO_ROOT / "flows" / "sweep.py") + ":sweep"
+    ).model_dump_for_openapi()["properties"]
+    assert from_source == imported
