@@ -118,6 +118,18 @@ def test_a_killed_sweep_finishes_only_what_was_left(
     assert winner_run.data.tags.get("model_version") == f"drafter-sweep-test v{registered['version']}"
     assert f"winner {sweep['winner']}" in " ".join(output.split())
 
+    # `draftloop status`: the sweep as one line (its winner's figures), its variants under their sweep.
+    status = subprocess.run(
+        [sys.executable, "-m", "draftloop", "status", "--config", str(flow_env.config_path), "--limit", "12"],
+        capture_output=True,
+        text=True,
+        env={**subprocess_env(flow_env), "COLUMNS": "80"},
+        timeout=120,
+    )
+    assert status.returncode == 0, status.stderr
+    assert "sweep of 4" in status.stdout and f"winner {sweep['winner']}" in " ".join(status.stdout.split())
+    assert max(len(line) for line in status.stdout.splitlines()) <= 80, status.stdout
+
     # The same table in Prefect.
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey

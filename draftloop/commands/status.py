@@ -40,6 +40,7 @@ class CycleRow:
     speedup_c1: str
     model_version: str
     gate: str
+    note: str | None = None  # what the cells leave out of a sweep or a sweep's variant
 
 
 def _load_summary(client: Any, run_id: str) -> dict[str, Any] | None:
@@ -81,14 +82,25 @@ def cycle_row(client: Any, run: Any) -> CycleRow:
         gate = f"not registered (until {until})" if until != "register" else "-"
     return CycleRow(
         started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%m-%d %H:%M"),
-        name=run.info.run_name or run.info.run_id,
+        name=_cycle_name(run),
         status=str(run.info.status).lower(),
         verdict=str(summary.get("verdict") or "-"),
         acceptance_length=format_figure(as_number(length), 2, missing="-"),
         speedup_c1=speedup_text,
         model_version=model_version,
         gate=gate,
+        note=f"variant {run.data.tags['draftloop.variant']}"
+        if "draftloop.variant" in run.data.tags
+        else None,
     )
+
+
+def _cycle_name(run: Any) -> str:
+    """The run's name; a sweep's variant (named by its swept values in MLflow) as `sweep <key>`, its
+    values in the notes, so that a line fits 80 columns."""
+    if "draftloop.variant" in run.data.tags:
+        return f"sweep-{run.data.tags.get('draftloop.sweep_key', '')[:8]}"
+    return str(run.info.run_name or run.info.run_id)
 
 
 def sweep_row(client: Any, run: Any) -> CycleRow:
@@ -111,14 +123,14 @@ def sweep_row(client: Any, run: Any) -> CycleRow:
         started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%m-%d %H:%M"),
         name=run.info.run_name or run.info.run_id,
         status=str(run.info.status).lower(),
-        verdict=f"sweep of {variants}"
-        + (f", winner {winner}" if winner and winner != "none" else ", no winner"),
+        verdict=f"sweep of {variants}",
         acceptance_length=format_figure(
             as_number(metrics.get("winner.mean_acceptance_length")), 2, missing="-"
         ),
         speedup_c1=format_figure(as_number(metrics.get("winner.speedup_c1")), 2, "x", missing="-"),
         model_version=f"{registered.get('name')} v{registered.get('version')}" if registered else "-",
         gate=gate,
+        note=f"winner {winner}" if winner and winner != "none" else "no winner",
     )
 
 
@@ -213,7 +225,8 @@ def cycle_notes(rows: list[CycleRow], width: int) -> list[str]:
     for row in rows:
         _, _, flag = row.speedup_c1.partition(" (")
         reason = _gate(row)[1]
-        said = [f"speedup @ c=1 {flag.rstrip(')')}, not a figure to act on"] if flag else []
+        said = [row.note] if row.note else []
+        said += [f"speedup @ c=1 {flag.rstrip(')')}, not a figure to act on"] if flag else []
         said += [reason] if reason else []
         if said:
             notes += textwrap.wrap(
