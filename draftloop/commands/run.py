@@ -151,6 +151,17 @@ def one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def failure_exit(console: Console, error: BaseException, what: str) -> typer.Exit:
+    """A flow's failure as the CLI reports it: a user error behind it as its one line and exit 2,
+    anything else as `<what> failed` and exit 1."""
+    bad_input = bad_input_behind(error)
+    if bad_input is not None:
+        console.print(f"[red]error:[/red] {escape(one_line(bad_input))}")
+        return typer.Exit(2)
+    console.print(f"[red]{what} failed:[/red] {error}")
+    return typer.Exit(1)
+
+
 def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
     """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
     console = Console()
@@ -201,12 +212,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
             summary = train_and_eval(config_path=str(config_path.resolve()), overrides=overrides, until=until)
         except Exception as error:
             progress.stop()
-            bad_input = bad_input_behind(error)
-            if bad_input is not None:
-                console.print(f"[red]error:[/red] {escape(one_line(bad_input))}")
-                raise typer.Exit(2) from None
-            console.print(f"[red]cycle failed:[/red] {error}")
-            raise typer.Exit(1) from error
+            raise failure_exit(console, error, "cycle") from error
         finally:
             PROGRESS_LOG.removeHandler(bars_handler)
     console.print(summary_table(summary))

@@ -12,11 +12,10 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from draftloop.commands.config_cmd import parse_set_options, read_data_or_exit
-from draftloop.commands.run import bad_input_behind, one_line, prepare_run_environment
+from draftloop.commands.run import failure_exit, prepare_run_environment
 from draftloop.infra.registry.sweep_report import comparison_rows
 from draftloop.infra.runtime.config import ConfigError, GateConfig
 from draftloop.infra.runtime.sweeps import SweepPlan, parse_grid, plan_sweep, read_variant_list
@@ -69,12 +68,7 @@ def register(app: typer.Typer) -> None:
                 config_path=plan.config_path, grid=grid, variants=variants, overrides=base, parallel=parallel
             )
         except Exception as error:
-            bad_input = bad_input_behind(error)
-            if bad_input is not None:
-                console.print(f"[red]error:[/red] {escape(one_line(bad_input))}")
-                raise typer.Exit(2) from None
-            console.print(f"[red]sweep failed:[/red] {error}")
-            raise typer.Exit(1) from error
+            raise failure_exit(console, error, "sweep") from error
         console.print(sweep_table(SweepSummary.model_validate(returned), plan.check().evaluation.gate))
 
 
