@@ -112,7 +112,7 @@ def test_a_killed_sweep_finishes_only_what_was_left(
     registered = sweep["registered_model"]
     assert registered["name"] == "drafter-sweep-test"
     (version,) = client.search_model_versions("name='drafter-sweep-test'")
-    assert version.version == registered["version"]
+    assert str(version.version) == str(registered["version"])
     assert "winner of sweep" in version.description, version.description  # the card's origin row
     winner_run = client.get_run(winner["mlflow_run_id"])
     assert winner_run.data.tags.get("model_version") == f"drafter-sweep-test v{registered['version']}"
@@ -128,7 +128,8 @@ def test_a_killed_sweep_finishes_only_what_was_left(
     )
     assert status.returncode == 0, status.stderr
     assert "sweep of 4" in status.stdout and f"winner {sweep['winner']}" in " ".join(status.stdout.split())
-    assert max(len(line) for line in status.stdout.splitlines()) <= 80, status.stdout
+    table = [line for line in status.stdout.splitlines() if not line.startswith("MLflow: ")]
+    assert max(len(line) for line in table) <= 80, status.stdout
 
     # The same table in Prefect.
     from prefect.client.orchestration import get_client
