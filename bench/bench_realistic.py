@@ -235,11 +235,13 @@ def timed_runs(
     }
 
 
-def long_row_table(s: dict[str, int], args: argparse.Namespace, dev: str, write: Any) -> list[dict[str, Any]]:
+def long_row_table(
+    s: dict[str, int], args: argparse.Namespace, dev: str, write: Any, table: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Per row length: ``args.long_row_steps`` steps of ``args.long_row_samples`` samples of exactly that
     many tokens (one sample per row), tok/s over the steps after the first two (compilation, first
-    allocations) and the peak memory; stops at the first length that runs out of memory."""
-    table: list[dict[str, Any]] = []
+    allocations) and the peak memory; stops at the first length that runs out of memory. Each length's
+    entry is appended to `table` (the result's own list) before `write()`, so a call cut short keeps them."""
     cfg = drafter_config(s, args.drafter)
     for length in args.long_rows:
         data = SyntheticHiddenStates(s, length, prompt_fraction=args.prompt_fraction, fixed_length=length)
@@ -367,7 +369,8 @@ def main() -> None:
     if args.long_rows is not None:
         if world > 1:
             parser.error("--long-rows runs on one GPU (no torchrun)")
-        result["long_rows"] = long_row_table(s, args, dev, write)
+        result["long_rows"] = []
+        long_row_table(s, args, dev, write, result["long_rows"])
         write()
         log(json.dumps(result["long_rows"]))
         return
