@@ -145,7 +145,7 @@ def test_prefect_form_runs_the_flow_and_links_to_mlflow_and_back(
     MLflow's root: model-training mode on the experiment's runs, their figures as columns.
 
     For CI time the submitted cycle is the session's first cycle again (every stage a cache hit, as in
-    tests/test_flow_deployment.py): a whole cycle with a registered version in seconds.
+    the CLI deployment test below): a whole cycle with a registered version in seconds.
     """
     first, _ = first_cycle
     ui = services["prefect-server"].url
@@ -385,3 +385,46 @@ def test_mlflow_registry_page_shows_the_champion_and_the_verdicts(
     page.goto(f"{ui}/#/models/{name}/versions/2")
     page.get_by_text(rejected.verdict, exact=True).first.wait_for()
     page.screenshot(path=str(screenshots / "mlflow-version-rejected.png"), full_page=True)
+
+
+def test_deployment_run_from_the_cli_completes_the_cycle(
+    flow_env: FlowEnv, first_cycle: tuple[dict[str, Any], float], services: dict[str, Any]
+) -> None:
+    """`draftloop up` + `prefect deployment run ... --watch`, the README's command: the cycle through the
+    same local server and worker as the form above (after it: the form test counts the deployment's runs),
+    its --watch output carrying the MLflow links."""
+    import json
+    import sys
+
+    from draftloop.infra.runtime.services import read_services
+
+    first, _ = first_cycle
+    assert set(services) == {"prefect-server", "prefect-worker", "mlflow"}
+    recorded = read_services(REPO_ROOT)
+    assert {name: svc.pid for name, svc in recorded.items()} == {n: s.pid for n, s in services.items()}
+    api = f"{services['prefect-server'].url}/api"
+    env = {**flow_env.env, "PREFECT_API_URL": api, "DRAFTLOOP_STATE_DIR": flow_env.env["DRAFTLOOP_STATE_DIR"]}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    params = json.dumps({"config_path": str(flow_env.config_path)})
+    done = subprocess.run(
+        [prefect, "deployment", "run", "train-and-eval/train-and-eval", "--params", params, "--watch"],
+        env={**os.environ, **env, "COLUMNS": "1000"},  # rich wraps at the width
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "Completed" in output, output[-3000:]
+    # --watch shows the last log line: the links into the MLflow server `up` started (its SQLite file).
+    # (rich breaks a long line at its spaces: read the words)
+    words = " ".join(output.split())
+    assert f"MLflow run: {services['mlflow'].url}/#/experiments/" in words, output[-3000:]
+    assert f"MLflow model version: {services['mlflow'].url}/#/models/" in words, output[-3000:]
+    # The worker's run wrote its summary next to the session's first cycle: every stage a cache hit.
+    cycles = Path(first["run_folder"]).parent
+    summaries = sorted(cycles.glob("*/summary.json"), key=lambda path: path.stat().st_mtime)
+    latest = json.loads(summaries[-1].read_text())
+    assert latest["status"] == "completed"
+    assert sorted(latest["cache_hits"]) == sorted(first["stages"])

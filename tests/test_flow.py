@@ -1,19 +1,16 @@
-"""The train-and-eval flow: stage caching, crash-resume, MLflow records (the real flow, tiny target)."""
+"""The train-and-eval flow: stage caching, MLflow records, the online cycle (the real flow, tiny target).
+
+A SIGKILL mid-training and its resume to the same drafter: tests/test_faults.py (the kill chain).
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fixtures_flow import FlowEnv, no_ray_left, run_cycle_in_process, subprocess_env
+from fixtures_flow import FlowEnv, run_cycle_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -63,100 +60,6 @@ def yaml_config(env: FlowEnv, overrides: dict[str, Any] | None = None) -> Any:
     from draftloop.infra.runtime.config import ExperimentConfig
 
     return ExperimentConfig.load(env.config_path, overrides or {})
-
-
-def _wait_for(paths: Any, timeout_s: float, process: subprocess.Popen[bytes]) -> Path:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = [path for path in paths() if path.exists()]
-        if found:
-            return found[0]
-        if process.poll() is not None:
-            raise AssertionError(f"flow exited ({process.returncode}) before the marker appeared")
-        time.sleep(0.1)
-    raise AssertionError("marker never appeared")
-
-
-def test_sigkill_during_training_resumes_without_redoing_upstream(
-    flow_env: FlowEnv, first_cycle: tuple[dict[str, Any], float]
-) -> None:
-    """Kill -9 the flow mid-training; the re-run reuses synthesis + extraction and resumes training."""
-    first, _ = first_cycle
-    # A different training seed: same data (cached), new training; 3 epochs leave time to kill mid-way.
-    overrides = {"training.seed": 1, "training.epochs": 3}
-    config = yaml_config(flow_env, overrides)
-    state = Path(flow_env.env["DRAFTLOOP_STATE_DIR"])
-    work_root = state / "work" / config.name / "train"
-    existing = set(work_root.glob("*")) if work_root.exists() else set()
-    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    log_path = flow_env.workdir / "sigkill-flow.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "draftloop", "run", str(flow_env.config_path), *sets, "--until", "train"],
-            env=subprocess_env(flow_env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-
-        def epoch_checkpoints() -> list[Path]:
-            fresh = [path for path in work_root.glob("*") if path not in existing]
-            # 24 samples, 8 per step: the first epoch's checkpoint is taken after step 3.
-            return [path / "step-00000003" / "COMPLETE" for path in fresh]
-
-        marker = _wait_for(epoch_checkpoints, 400, process)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-    time.sleep(2)
-    assert no_ray_left(process.pid) == [], "processes of the killed flow survived"
-    work_dir = marker.parent.parent
-    assert not (work_dir / "final").exists(), "training finished before the kill: nothing to resume"
-    killed_runs = sorted((flow_env.workdir / "runs" / config.name / "cycles").glob("*/stages/train.running"))
-    assert killed_runs, "the killed run never marked train as running"
-
-    resumed, _ = run_cycle_in_process(flow_env, overrides, until="train")
-    assert resumed["status"] == "completed"
-    assert resumed["stages"]["synthesize"]["cache_hit"]
-    assert resumed["stages"]["extract"]["cache_hit"]
-    assert not resumed["stages"]["train"]["cache_hit"]
-    assert resumed["stages"]["extract"]["uri"] == first["stages"]["extract"]["uri"]
-    train_manifest = _manifest(resumed["stages"]["train"]["uri"])
-    assert train_manifest.summary["resumed_from_epoch"] >= 1
-    assert train_manifest.summary["steps"] == 3 * 3  # 24 samples / batch 8 = 3 steps per epoch, all kept
-    assert 0 < train_manifest.summary["packing_efficiency"] <= 1
-
-    # Same result as an uninterrupted training on the same data (computed here, without Ray).
-    _assert_same_as_uninterrupted(config, resumed, train_manifest, flow_env.workdir / "reference")
-
-
-def _assert_same_as_uninterrupted(
-    config: Any, resumed: dict[str, Any], train_manifest: Any, folder: Path
-) -> None:
-    import torch
-    from safetensors.torch import load
-
-    from draftloop.infra.runtime.storage import read_shard
-    from draftloop.infra.training.worker import train_worker
-    from draftloop.tasks.train import loop_config
-
-    hidden = SimpleNamespace(manifest=_manifest(resumed["stages"]["extract"]["uri"]))
-    loop = loop_config(config, hidden, folder)  # type: ignore[arg-type]
-    train_worker(loop, rank=0, world=1, device="cpu", report=lambda metrics: None)
-    reference = load((folder / "final" / "drafter" / "model.safetensors").read_bytes())
-    trained = load(read_shard(train_manifest, "model.safetensors"))
-    assert reference.keys() == trained.keys()
-    for name, tensor in reference.items():
-        assert torch.allclose(tensor.float(), trained[name].float(), atol=1e-4, rtol=1e-3), name
-    history = json.loads(read_shard(train_manifest, "training_history.json"))
-    reference_history = json.loads((folder / "final" / "result.json").read_text())
-    assert [round(r["loss"], 3) for r in history["history"]] == [
-        round(r["loss"], 3) for r in reference_history["history"]
-    ]
 
 
 def test_full_cycle_records_results_registry_and_artifacts(
