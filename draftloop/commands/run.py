@@ -34,8 +34,8 @@ def _embedded_defaults(state: Path) -> dict[str, str]:
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # The ephemeral API server can take a minute to start on a busy machine (default: 20 s).
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        # The ephemeral API server can take minutes to start on a busy 2-core machine (default: 20 s).
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
         "DO_NOT_TRACK": "1",
         # Actor output would interleave with the progress bars; failures still carry remote tracebacks.
         "DRAFTLOOP_RAY_LOG_TO_DRIVER": "0",
