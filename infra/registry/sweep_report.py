@@ -44,17 +44,8 @@ class VariantResult(BaseModel):
         cls, key: str, label: str, overrides: dict[str, Any], summary: dict[str, Any]
     ) -> VariantResult:
         """From a cycle's summary.json (flows/cycle.py:build_summary)."""
-        results = CycleResults(
-            acceptance_rate=summary.get("acceptance_rate"),
-            mean_acceptance_length=summary.get("mean_acceptance_length"),
-            per_position_acceptance=list(summary.get("per_position_acceptance") or []),
-            speedup={int(k): float(v) for k, v in (summary.get("speedup") or {}).items()},
-            speedup_status={int(k): str(v) for k, v in (summary.get("speedup_status") or {}).items()},
-            simulator_acceptance_rate=summary.get("simulator_acceptance_rate"),
-            compared_engine_acceptance_rate=summary.get("compared_engine_acceptance_rate"),
-            consistent=summary.get("consistent"),
-            lossless=summary.get("lossless"),
-        )
+        # summary.json carries the evaluation's results under CycleResults' own names (build_summary).
+        results = CycleResults.from_dict(summary)
         stages = summary.get("stages") or {}
         return cls(
             key=key,
