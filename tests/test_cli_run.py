@@ -89,7 +89,8 @@ def test_until_synthesize_runs_only_that_stage(tmp_path: Path) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
     state = tmp_path / ".draftloop"
-    assert (state / "prefect").is_dir()  # the ephemeral Prefect's home
+    # the ephemeral Prefect's home, its database in it: the run's settings were read by Prefect
+    assert (state / "prefect" / "prefect.db").is_file()
     runs = state / "runs" / "cli-run"
     assert sorted(path.name for path in runs.iterdir()) == ["cycles", "synthesize"]
     (manifest,) = runs.glob("synthesize/*/manifest.json")

@@ -28,8 +28,7 @@ DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-llama.yaml
 
 
 def _embedded_defaults(state: Path) -> dict[str, str]:
-    """Environment for a run in this process, set before Prefect is imported (it reads its settings
-    then); anything the user set already wins."""
+    """Environment for a run in this process; anything the user set already wins."""
     return {
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_LOGGING_LEVEL": "WARNING",
@@ -42,18 +41,27 @@ def _embedded_defaults(state: Path) -> dict[str, str]:
     }
 
 
-def prepare_run_environment(console: Console) -> None:
-    """Prefect's settings for a flow run in this process, once its config is accepted (before Prefect
-    is imported by the flow)."""
-    state = state_dir()
-    for key, value in _embedded_defaults(state).items():
+def use_embedded_defaults() -> str | None:
+    """Set the run's environment: first thing in a command that runs a flow, because Prefect reads its
+    settings once, when it is imported (set later, they would be ignored). Creates nothing.
+
+    While `draftloop up`'s Prefect server runs, the cycle runs on it (one history, the `gpus` limit
+    shared with the deployments' runs, a flow-run page the MLflow run links to); a set PREFECT_API_URL
+    wins. Returns that server's URL when it is the one used. (Its MLflow server is found by the
+    tracker: infra/registry/runs.py.)
+    """
+    for key, value in _embedded_defaults(state_dir()).items():
         os.environ.setdefault(key, value)
-    # While `draftloop up`'s Prefect server runs, the cycle runs on it (one history, the `gpus` limit
-    # shared with the deployments' runs, a flow-run page the MLflow run links to); a set
-    # PREFECT_API_URL wins. (Its MLflow server is found by the tracker: infra/registry/runs.py.)
     served = served_prefect_api()
     if served and "PREFECT_API_URL" not in os.environ:
         os.environ["PREFECT_API_URL"] = served
+        return served
+    return None
+
+
+def prepare_run_environment(console: Console, served: str | None) -> None:
+    """Once the config is accepted: say which Prefect runs the flow, and make Prefect's home."""
+    if served:
         console.print(f"Prefect: the server of `draftloop up`, {served}")
     # Prefect creates PREFECT_HOME on import without its parents (a warning on a fresh checkout), and
     # sqlite will not create it either: made here, once the config is accepted.
@@ -165,9 +173,8 @@ def failure_exit(console: Console, error: BaseException, what: str) -> typer.Exi
 def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> None:
     """Validate, then run the cycle up to `until` with progress bars; exit 2 on a refused config or stage."""
     console = Console()
-    # The stage names, before anything is created (this imports Prefect with the caller's settings, as
-    # importing any stage does; the run's own settings below are read when the flow starts).
-    from draftloop.flows.pipeline import pipeline_for
+    served = use_embedded_defaults()
+    from draftloop.flows.pipeline import pipeline_for  # the stage names (this imports Prefect)
 
     # creates nothing; bad prompt data is one line and exit 2 here, before any service starts
     config = load_config_or_exit(config_path, set_options)
@@ -178,7 +185,7 @@ def run_cycle_command(config_path: Path, set_options: list[str], until: str) -> 
         console.print(f"[red]error:[/red] --{error} (stages: {', '.join(pipeline.names)})")
         raise typer.Exit(2) from None
     read_data_or_exit(config)
-    prepare_run_environment(console)
+    prepare_run_environment(console, served)
     from draftloop.flows.train_and_eval import train_and_eval
     from draftloop.tasks.cycle import PROGRESS_LOG
 

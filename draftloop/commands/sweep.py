@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from draftloop.commands.config_cmd import parse_set_options, read_data_or_exit
-from draftloop.commands.run import failure_exit, prepare_run_environment
+from draftloop.commands.run import failure_exit, prepare_run_environment, use_embedded_defaults
 from draftloop.infra.registry.sweep_report import comparison_rows
 from draftloop.infra.runtime.config import ConfigError, GateConfig
 from draftloop.infra.runtime.sweeps import SweepPlan, parse_grid, plan_sweep, read_variant_list
@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run variants of CONFIG that share their upstream stages; compare them, register the best."""
         console = Console()
+        served = use_embedded_defaults()
         try:
             grid = parse_grid(grid_options)
             variants = read_variant_list(listed) if listed is not None else []
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(code=2) from None
         plan = plan_or_exit(config, grid, variants, base)
         console.print(f"sweep: {len(plan.variants)} variants over {', '.join(plan.swept_keys)}")
-        prepare_run_environment(console)
+        prepare_run_environment(console, served)
         from draftloop.flows.sweep import SweepSummary, sweep
 
         try:
