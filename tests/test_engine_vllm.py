@@ -401,4 +401,5 @@ def test_engine_doctor_cli_on_a_native_target(zoo_target_dir: Callable[[str], Pa
         "kimi_media_alias": "noop",
         "cpu_rope_3d_query": "applied",
         "cpu_hidden_states_writer": "applied",  # the CPU platform: the connector's writer needs it
+        "cpu_fork_engine_core": "applied",  # the CPU platform forces spawn
     }
