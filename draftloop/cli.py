@@ -14,6 +14,7 @@ from draftloop.commands import (
     engine,
     export,
     models,
+    refresh,
     run,
     services,
     simulate,
@@ -34,7 +35,8 @@ def _root() -> None:
     """draftloop: synthesize -> extract -> train -> serve -> measure -> register, as one retryable run."""
 
 
-for _module in (run, sweep, models, config_cmd, simulate, diagnose, export, engine, services, status):
+_COMMANDS = (run, sweep, refresh, models, config_cmd, simulate, diagnose, export, engine, services, status)
+for _module in _COMMANDS:
     _module.register(app)
 
 

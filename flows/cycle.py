@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from draftloop.flows.cycle_report import final_log_line, summary_markdown
 from draftloop.flows.form import EngineKind, Epochs, NumSamples, NumSpeculativeTokens
 from draftloop.flows.pipeline import CYCLE, pipeline_for
+from draftloop.infra.registry.challenge import Challenge
 from draftloop.infra.registry.cycle_run import (
     CycleRecord,
     mlflow_ui_links,
@@ -98,9 +99,10 @@ class TrainAndEvalParams(BaseModel):
 
 
 class CycleNesting(BaseModel):
-    """Where a cycle's MLflow run goes when it is part of a sweep (flows/sweep.py): nested under the
-    sweep's run, or `resume_run_id` (the winner's own run, running on to register); with `owns_ray`
-    False, Ray is the sweep's to stop (its variants run at once)."""
+    """Where a cycle's MLflow run goes when it is part of a sweep or a refresh (flows/sweep.py,
+    flows/refresh.py): nested under their run, or `resume_run_id` (the winner's or challenger's own run,
+    running on to register); with `owns_ray` False, Ray is the sweep's to stop (its variants run at
+    once)."""
 
     parent_run_id: str | None = None
     resume_run_id: str | None = None
@@ -108,6 +110,7 @@ class CycleNesting(BaseModel):
     tags: dict[str, str] = Field(default_factory=dict)
     owns_ray: bool = True
     origin: str | None = None  # the registry card's origin row (CycleContext.origin)
+    challenge: Challenge | None = None  # a refresh's champion against this drafter (the gate reads it)
 
 
 def _run_id() -> str:
@@ -227,6 +230,7 @@ def run_cycle(
         tracker=tracker,
         run_uri=run_folder_uri(config, run_id),
         origin=nesting.origin,
+        challenge=nesting.challenge,
     )
     ctx.pids.claim()
     register_secrets(secret_values(config.model_dump(mode="json")))

@@ -42,3 +42,7 @@ Overrides = Annotated[dict[str, Any], _titled("Other config values")]
 SweepGrid = Annotated[dict[str, list[Any]], _titled("Grid: values per config key")]
 SweepList = Annotated[list[dict[str, Any]], _titled("More variants (config keys each)")]
 Parallel = Annotated[int, _titled("Variants at once", ge=1, le=16)]
+
+# The `refresh` form (flows/refresh.py).
+TrafficLocation = Annotated[str, _titled("New traffic (folder or S3 prefix)")]
+RetrainDrop = Annotated[float, _titled("Retrain past this drop of acceptance length", ge=0.0, le=1.0)]

@@ -84,7 +84,8 @@ def run_sweep(plan: SweepPlan, parallel: int = 1) -> SweepSummary:
     tracker = Tracker.from_config(base)
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else key
     flow_run_url = prefect_flow_run_url(flow_run_id)
-    parent = tracker.sweep_run(
+    parent = tracker.parent_run(
+        "sweep",
         key,
         run_name=f"{base.name}-sweep-{key[:8]}",
         params={

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftloop.infra.registry.challenge import Challenge
 from draftloop.infra.registry.runs import Tracker
 from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord, pid_records_dir
@@ -53,6 +54,7 @@ class CycleContext:
     timings: dict[str, StageTiming] = field(default_factory=dict)
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
     origin: str | None = None  # what runs this cycle when not a person: a sweep (the registry says so)
+    challenge: Challenge | None = None  # a refresh's champion against this drafter (the gate reads it)
 
     @property
     def pids(self) -> PidRecord:

@@ -72,6 +72,7 @@ def produce(request: StageRequest) -> Manifest:
             card,
             folder,
             serving_command=lambda source: serving_command(config, source, evaluated.serving_k),
+            challenge=request.cycle.challenge,
         )
     writer = DatasetWriter(request.work.uri, storage_options=options)
     payload = registration.to_dict()

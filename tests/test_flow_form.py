@@ -155,6 +155,9 @@ def test_each_stage_deployment_is_the_one_flow_stopped_after_its_stage() -> None
     by_name = {deployment["name"]: deployment for deployment in deployments}
     assert by_name.pop("diagnose")["entrypoint"] == "flows/diagnose.py:diagnose"  # its own flow
     assert by_name.pop("sweep")["entrypoint"] == "flows/sweep.py:sweep"  # its own flow, too
+    refresh = by_name.pop("refresh")
+    assert refresh["entrypoint"] == "flows/refresh.py:refresh"
+    assert [schedule["active"] for schedule in refresh["schedules"]] == [False]  # off until turned on
     assert set(by_name) == {"train-and-eval", *CYCLE.names[:-1]}
     for name, deployment in by_name.items():
         assert deployment["entrypoint"] == "flows/train_and_eval.py:train_and_eval"

@@ -105,6 +105,14 @@ def simulator_numeric_mode(engine_mode: NumericMode, drafter_attention: str) -> 
     return NumericMode(dtype=dtype, attention=f"transformers ({drafter_attention})")
 
 
+def simulator_mode_for(settings: EngineSettings, target_dir: Path) -> NumericMode:
+    """The simulator's mode for drafters of `target_dir` served with `settings` (its family's attention)."""
+    from draftloop.kernels.families.base import family_for_config
+
+    attention = family_for_config(read_json(Path(target_dir) / "config.json")).drafter_attention
+    return simulator_numeric_mode(engine_numeric_mode(settings, target_dir, attention), attention)
+
+
 def mode_mismatch(engine: NumericMode, simulator: NumericMode) -> str | None:
     """What the simulator does not reproduce of the engine's numerics, or None."""
     differences = []

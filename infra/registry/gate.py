@@ -17,6 +17,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from draftloop.infra.registry.challenge import Challenge
 from draftloop.infra.registry.figures import format_percent
 from draftloop.infra.runtime.config import GateConfig
 
@@ -111,12 +112,15 @@ def evaluate_gate(
     champion_length: float | None,
     champion_version: str | None = None,
     baseline: ChampionFigures | None = None,
+    challenge: Challenge | None = None,
 ) -> GateDecision:
     """Apply `evaluation.gate` to a cycle's results.
 
     `min_speedup` is checked at concurrency 1 (a single stream is where speculation must pay);
     null means "not gated" and the reason is kept, because tiny CPU targets are compute-bound.
-    The champion is beaten at the registry's resolution (3 decimals, what people read).
+    The champion is beaten at the registry's resolution (3 decimals, what people read); a refresh's
+    `challenge` (both drafters measured in the same run on the same new prompts) replaces that
+    comparison: the challenger must win beyond its interval.
     """
     reasons: list[str] = []
     notes: list[str] = []
@@ -154,7 +158,9 @@ def evaluate_gate(
             reasons.append(
                 f"mean acceptance length {length:.2f} < min_acceptance_length {gate.min_acceptance_length}"
             )
-    if gate.beat_champion:
+    if challenge is not None:
+        (notes if challenge.won else reasons).append(challenge.reason)
+    elif gate.beat_champion:
         champion = f"champion v{champion_version}" if champion_version else "the champion"
         if champion_length is None:
             notes.append("no current champion to beat")

@@ -9,6 +9,7 @@ the version and of the leaderboard is cards.py's.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from collections.abc import Callable
 from contextlib import suppress
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlflow.artifacts
 from mlflow.entities import LoggedModel, LoggedModelOutput, Metric
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
@@ -31,6 +33,7 @@ from draftloop.infra.registry.cards import (
     version_description,
     version_tags,
 )
+from draftloop.infra.registry.challenge import Challenge
 from draftloop.infra.registry.gate import (
     CHAMPION_ALIAS,
     CycleResults,
@@ -124,6 +127,25 @@ class Registration:
         }
 
 
+def download_version_drafter(tracker: Tracker, name: str, version: str, into: Path) -> Path:
+    """The drafter folder of registered version `version` of `name`, downloaded under `into` once (a
+    complete earlier download is reused: a version's files never change)."""
+    folder = into / DRAFTER_DATA_DIR
+    if (folder / "config.json").is_file():
+        return folder
+    source = tracker.client.get_model_version(name, version).source
+    partial = into.with_name(into.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    mlflow.artifacts.download_artifacts(
+        artifact_uri=f"{source.rstrip('/')}/{DRAFTER_DATA_DIR}", dst_path=str(partial),
+        tracking_uri=tracker.tracking_uri,
+    )  # fmt: skip
+    shutil.rmtree(into, ignore_errors=True)
+    partial.rename(into)
+    return folder
+
+
 def register_drafter(
     tracker: Tracker,
     run: StageRun,
@@ -133,13 +155,15 @@ def register_drafter(
     card: DrafterCard,
     drafter_folder: Path,
     serving_command: Callable[[str], str],
+    challenge: Challenge | None = None,
 ) -> Registration:
     """Log `drafter_folder` as an MLflow model, create a version from it, move `champion` past the gate.
 
     The model is an output of the cycle's parent run (the register stage's own run when there is none),
     so the runs list shows it. A version that fails the gate is still registered (it is evidence), tagged
     `rejected` with the reasons. `serving_command(drafter_uri)`: the command serving the drafter from
-    where the model stores it (in the MLmodel and at the end of the description).
+    where the model stores it (in the MLmodel and at the end of the description). `challenge`: a
+    refresh's champion-against-challenger measurement, which the gate reads instead of the records.
     """
     client = tracker.client
     try:
@@ -154,6 +178,7 @@ def register_drafter(
         champion.mean_acceptance_length if champion else None,
         champion.version if champion else None,
         baseline=version_figures(client, name, gate_config.beat) if gate_config.beat else None,
+        challenge=challenge,
     )
     model_run_id = tracker.parent_run_id or run.run_id
     model, command = log_drafter_model(

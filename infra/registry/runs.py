@@ -212,14 +212,16 @@ class Tracker:
             handle.log_params(params)
         return handle
 
-    def sweep_run(
-        self, sweep_key: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str]
+    def parent_run(
+        self, kind: str, key: str, run_name: str, params: Mapping[str, Any], tags: Mapping[str, str]
     ) -> StageRun:
-        """The sweep's parent run: the one an earlier run of the same sweep started (tag
-        `draftloop.sweep_key`), running again, or a new one. Variants' cycle runs nest under it."""
+        """The parent run of a sweep or a refresh (`kind`): the one an earlier run of the same plan
+        started (tags `draftloop.kind` and `draftloop.<kind>_key`), running again, or a new one. The
+        cycle runs they start nest under it."""
+        key_tag = f"draftloop.{kind}_key"
         found = self.client.search_runs(
             [self.experiment_id],
-            filter_string=f"tags.`draftloop.sweep_key` = '{sweep_key}' and tags.`draftloop.kind` = 'sweep'",
+            filter_string=f"tags.`{key_tag}` = '{key}' and tags.`draftloop.kind` = '{kind}'",
             max_results=1,
         )
         if found:
@@ -227,12 +229,10 @@ class Tracker:
             self.client.update_run(run_id, status="RUNNING")
         else:
             run = self.client.create_run(
-                self.experiment_id,
-                run_name=run_name,
-                tags={**tags, "draftloop.sweep_key": sweep_key, "draftloop.kind": "sweep"},
+                self.experiment_id, run_name=run_name, tags={**tags, key_tag: key, "draftloop.kind": kind}
             )
             run_id = run.info.run_id
-        handle = StageRun(self.client, run_id, "sweep")
+        handle = StageRun(self.client, run_id, kind)
         if not found:
             handle.log_params(params)
         return handle

@@ -86,7 +86,7 @@ def builtin_prompts_path() -> Path:
     return Path(__file__).resolve().parents[2] / "draftloop" / "data" / "prompts.jsonl"
 
 
-def _input_files(source: str, options: StorageOptions | None) -> list[str]:
+def input_files(source: str, options: StorageOptions | None) -> list[str]:
     """The files of `source`: one file, a folder's JSONL/parquet files, or a glob, in name order."""
     if source == BUILTIN_PROMPTS:
         return [str(builtin_prompts_path())]
@@ -115,7 +115,7 @@ def input_fingerprint(source: str, options: StorageOptions | None = None) -> str
     cached re-run reads no data. The bundled prompts are hashed by content (their mtime is the checkout's).
     """
     identity: list[Any] = []
-    for uri in _input_files(source, options):
+    for uri in input_files(source, options):
         if source == BUILTIN_PROMPTS:
             identity.append([Path(uri).name, hashlib.sha256(Path(uri).read_bytes()).hexdigest()])
             continue
@@ -295,7 +295,7 @@ def read_input(
     """
     data = InputData()
     first_seen: dict[str, str] = {}
-    for uri in _input_files(source, options):
+    for uri in input_files(source, options):
         file_format = None if data_format == "auto" else data_format
         stem = PurePosixPath(uri).stem
         for where, row in _file_rows(uri, options):
