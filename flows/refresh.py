@@ -60,6 +60,7 @@ class RefreshSummary(BaseModel):
     champion_version: str | None = None
     drift: DriftReport | None = None
     challenge: Challenge | None = None
+    challenger_run_folder: str | None = None  # the challenger cycle's summary.json is there
     registered_model: dict[str, Any] | None = None
     mlflow_run_id: str | None = None
 
@@ -224,7 +225,13 @@ def _challenge_champion(
         + result.reason
     )
     return summary.model_copy(
-        update={"status": "retrained", "reason": reason, "challenge": result, "registered_model": registered}
+        update={
+            "status": "retrained",
+            "reason": reason,
+            "challenge": result,
+            "challenger_run_folder": cycle.get("run_folder"),
+            "registered_model": registered,
+        }
     )
 
 

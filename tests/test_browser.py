@@ -428,3 +428,113 @@ def test_deployment_run_from_the_cli_completes_the_cycle(
     latest = json.loads(summaries[-1].read_text())
     assert latest["status"] == "completed"
     assert sorted(latest["cache_hits"]) == sorted(first["stages"])
+
+
+def _submit_form(page: Any, ui: str, deployment_id: str, fields: dict[str, str], screenshot: Path) -> None:
+    """Open a deployment's run form, fill `fields` (title -> text; JSON fields take JSON) and submit."""
+    page.goto(f"{ui}/deployments/deployment/{deployment_id}/run")
+    first = next(iter(fields))
+    _form_field(page, first).locator("textarea, input").first.wait_for()
+    for title, text in fields.items():
+        _form_field(page, title).locator("textarea, input").first.fill(text)
+    page.set_viewport_size({"width": 1440, "height": 2000})
+    page.screenshot(path=str(screenshot))
+    page.get_by_role("button", name="Submit").click()
+    page.wait_for_url(re.compile(rf".*/deployments/deployment/{deployment_id}(\?.*)?$"))
+    page.set_viewport_size({"width": 1440, "height": 1000})
+
+
+def _artifact_shown(page: Any, ui: str, run_id: str, key: str, text: str, screenshot: Path) -> None:
+    page.goto(f"{ui}/runs/flow-run/{run_id}")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    card = page.locator(".artifact-card", has_text=key)
+    card.wait_for()
+    card.click()
+    page.get_by_text(re.compile(re.escape(text))).first.wait_for()
+    page.screenshot(path=str(screenshot), full_page=True)
+
+
+def test_sweep_and_refresh_forms_run_from_the_browser(
+    flow_env: FlowEnv,
+    first_cycle: tuple[dict[str, Any], float],
+    services: dict[str, Any],
+    page: Any,
+    screenshots: Path,
+) -> None:
+    """The `sweep` form (a grid as JSON), then the `refresh` form, submitted in the browser and run by
+    `draftloop up`'s worker, each run page showing its artifact.
+
+    For CI time the sweep's grid is over the registered model's name, a key only registration reads:
+    both variants are the session's first cycle up to evaluate (cache hits) and the winner is registered
+    under its name. Made champion there (as a person promoting it would), it is what the refresh checks
+    against 8 new prompts; with a retrain drop of 100% it keeps the champion after the drift report.
+    (tests/test_sweep.py and tests/test_refresh.py run both for real.)"""
+    import json
+
+    from mlflow import MlflowClient
+
+    assert first_cycle[0]["status"] == "completed"  # the stages the sweep's variants reuse
+    ui = services["prefect-server"].url
+    api = f"{ui}/api"
+    sweep = httpx.get(f"{api}/deployments/name/sweep/sweep", timeout=30).json()
+    models = ["drafter-ui-sweep-a", "drafter-ui-sweep-b"]
+    _submit_form(
+        page,
+        ui,
+        sweep["id"],
+        {
+            "Config file (another)": str(flow_env.config_path),
+            "Grid: values per config key": json.dumps({"tracking.registered_model": models}),
+        },
+        screenshots / "prefect-sweep-form.png",
+    )
+    run = _final_flow_run(api, sweep["id"])
+    assert run["state_type"] == "COMPLETED", run["state"].get("message")
+    assert run["parameters"]["grid"] == {"tracking.registered_model": models}
+    _artifact_shown(
+        page,
+        ui,
+        run["id"],
+        "draftloop-sweep-summary",
+        "sweep of flow-test",
+        screenshots / "prefect-sweep-artifact.png",
+    )
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{flow_env.workdir}/mlflow.db")
+    (winner,) = [version for name in models for version in client.search_model_versions(f"name='{name}'")]
+    client.set_registered_model_alias(winner.name, "champion", winner.version)
+
+    traffic = flow_env.workdir / "ui-traffic"
+    traffic.mkdir()
+    prompts = [f"Give one tip for learning {topic}." for topic in ("chess", "piano", "Go", "Rust")]
+    prompts += [f"Name a city in {country}." for country in ("Peru", "Chad", "Laos", "Oman")]
+    (traffic / "log.jsonl").write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n" for text in prompts)
+    )
+    refresh = httpx.get(f"{api}/deployments/name/refresh/refresh", timeout=30).json()
+    assert [schedule["active"] for schedule in refresh["schedules"]] == [False]  # off until turned on
+    _submit_form(
+        page,
+        ui,
+        refresh["id"],
+        {
+            "Config file (another)": str(flow_env.config_path),
+            "New traffic (folder or S3 prefix)": str(traffic),
+            "Other config values": json.dumps({"tracking.registered_model": winner.name}),
+            "Retrain past this drop of acceptance length": "1",
+        },
+        screenshots / "prefect-refresh-form.png",
+    )
+    run = _final_flow_run(api, refresh["id"])
+    assert run["state_type"] == "COMPLETED", run["state"].get("message")
+    _artifact_shown(
+        page, ui, run["id"], "draftloop-refresh", "8 new rows", screenshots / "prefect-refresh-artifact.png"
+    )
+    parents = client.search_runs(
+        [client.get_experiment_by_name("draftloop").experiment_id],
+        filter_string="tags.`draftloop.kind` = 'refresh'",
+    )
+    (parent,) = [p for p in parents if p.data.params.get("refresh.traffic") == str(traffic)]
+    assert parent.data.tags["draftloop.decision"] == "champion_fits"
+    assert "drift.all.mean_acceptance_length" in parent.data.metrics
+    assert [v.version for v in client.search_model_versions(f"name='{winner.name}'")] == [winner.version]

