@@ -27,8 +27,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run as current_flow_run
 from pydantic import BaseModel, Field
 
-from draftloop.flows.cycle import CycleNesting, TrainAndEvalParams, cycle_flow, run_cycle
+from draftloop.flows.cycle import CycleNesting, cycle_flow
 from draftloop.flows.form import ConfigPath, Overrides, RetrainDrop, ShippedConfig, TrafficLocation
+from draftloop.flows.sweep import sweep_variant
 from draftloop.infra.evaluation.drift import DEFAULT_RETRAIN_DROP, DriftPolicy, DriftReport, drift_report
 from draftloop.infra.evaluation.simulator import PromptFigures, run_simulator, simulator_mode_for
 from draftloop.infra.registry.challenge import Challenge, challenge
@@ -41,6 +42,7 @@ from draftloop.infra.runtime.processes import state_dir
 from draftloop.infra.runtime.storage import download_shards, read_manifest, storage_options
 from draftloop.infra.synthesis.conversations import read_eval_prompts
 from draftloop.infra.synthesis.traffic import TrafficLedger, TrafficPart, category_of, part_rows, read_traffic
+from draftloop.infra.targets.resolve import ensure_target
 from draftloop.tasks.summaries import TrainingSummary
 
 DEFAULT_CONFIG = "configs/tiny-llama.yaml"
@@ -65,18 +67,13 @@ class RefreshSummary(BaseModel):
     mlflow_run_id: str | None = None
 
 
-@cycle_flow("refresh-challenger")
-def refresh_challenger(
-    config_path: str, overrides: dict[str, Any], until: str, nesting: CycleNesting
-) -> dict[str, Any]:
-    """The challenger's cycle up to `until`, its MLflow run placed by `nesting`."""
-    return run_cycle(
-        TrainAndEvalParams(config=config_path, overrides=overrides), until=until, nesting=nesting
-    )
+# The challenger's cycle up to a stage, its MLflow run placed by a `CycleNesting`: a sweep variant's flow
+# under its own name in Prefect.
+refresh_challenger = sweep_variant.with_options(name="refresh-challenger")
 
 
 def _simulate(config: ExperimentConfig, drafter: Path, prompts: list[str]) -> list[PromptFigures]:
-    target = Path(config.target.path)
+    target = Path(ensure_target(config))  # a zoo target is built where it is missing
     figures = run_simulator(
         target, drafter, prompts, config.engine.num_speculative_tokens, config.evaluation.max_tokens,
         mode=simulator_mode_for(config.engine_settings(), target),
