@@ -74,7 +74,8 @@ def test_refresh_retrains_on_new_traffic_only_and_a_second_refresh_does_nothing(
 
     traffic = flow_env.workdir / "traffic"
     mix = _traffic(traffic)
-    overrides = {**shared, "data.eval_prompts": 16, "evaluation.concurrency": [1]}
+    # (CI time: one epoch of fine-tuning, one concurrency level)
+    overrides = {**shared, "data.eval_prompts": 16, "evaluation.concurrency": [1], "training.epochs": 1}
     config = str(flow_env.config_path)
     summary = refresh(config_path=config, traffic=str(traffic), overrides=overrides, force=True)
 
