@@ -10,9 +10,13 @@ engine returns its token ids (simulator.py). Nothing here judges: judge.py does.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from draftloop.infra.engines.base import Engine, EngineConfigError, EngineError, Speculation, read_json
 from draftloop.infra.engines.server import StartServer
@@ -88,6 +92,27 @@ def measure_server(
         )
 
 
+def enter_together(stack: contextlib.ExitStack, managers: Sequence[AbstractContextManager[Any]]) -> list[Any]:
+    """Enter `managers` at once, each then exited by `stack` (last first, as nested `with`s would).
+
+    Servers start in parallel this way: a server's start is mostly one process importing its engine
+    (single-threaded), so two of them take little more than one (flow-test on 2 CPU cores: the two vLLM
+    servers of an evaluation ~70 s one after the other). A failure is raised once every manager that
+    did enter is registered, so those are stopped too.
+    """
+    with ThreadPoolExecutor(max_workers=len(managers), thread_name_prefix="start-server") as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+        wait(futures)
+    for manager, future in zip(managers, futures, strict=True):
+        if future.exception() is None:
+            stack.push(manager)
+    for future in futures:
+        error = future.exception()
+        if error is not None:
+            raise error
+    return [future.result() for future in futures]
+
+
 def measure_pair(
     start: StartServer,
     name: str,
@@ -98,7 +123,8 @@ def measure_pair(
 ) -> tuple[ServerRun, ServerRun]:
     """A baseline server and a speculative one up together, smoke-tested, measured in turns
     (benchmark.benchmark_servers); both stopped. (baseline run, speculative run)."""
-    with start("baseline", None) as base, start(name, speculation) as spec:
+    with contextlib.ExitStack() as stack:
+        base, spec = enter_together(stack, [start("baseline", None), start(name, speculation)])
         smokes = [smoke_text(server) for server in (base, spec)]
         baseline, speculative = benchmark_servers(
             [
