@@ -26,7 +26,6 @@ from draftloop.infra.runtime.storage import (
     StorageOptions,
     exists,
     filesystem,
-    is_local,
     join,
     read_manifest,
     read_shard,
@@ -170,8 +169,3 @@ def part_rows(part: TrafficPart, options: StorageOptions | None = None) -> list[
     manifest: Manifest = read_manifest(part.uri, options)
     lines = read_shard(manifest, PART_PROMPTS, options).decode().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
-
-
-def local_or_uri(uri: str) -> str:
-    """What `data.prompts` takes for a part's prompts file (a path when local)."""
-    return uri.removeprefix("file://") if is_local(uri) else uri
