@@ -49,6 +49,18 @@ def small_config(workdir: Path, target_dir: Path) -> dict[str, Any]:
     return config
 
 
+def drain_prefect_workers(timeout: float = 30) -> None:
+    """Send what Prefect's events and API-log workers hold, and drop them. A worker outlives the server it
+    was made for (the events worker is kept per client type, not per API URL): a test that runs a flow on
+    a server of its own drains them before that server stops, and a test that reads its flow's records
+    waits for them here, bounded (an unbounded wait hung CI for 25 minutes on a dead server's worker)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (EventsWorker, APILogWorker):
+        worker.drain_all(timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def flow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FlowEnv]:
     """A Prefect test server and an isolated state folder for every flow test of the session."""

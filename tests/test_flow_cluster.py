@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from cluster_services import create_database, postgres_bin_dir, postgres_server, ray_head
-from fixtures_flow import FlowEnv, small_config
+from fixtures_flow import FlowEnv, drain_prefect_workers, small_config
 from moto_s3 import moto_s3_server
-from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from draftloop.infra.runtime.services import TeamBackends
@@ -97,15 +96,18 @@ def test_team_profile_cycle_on_a_cluster_with_postgresql_and_s3(
         mlflow_db = create_database(server_uri, "mlflow")
         backends = TeamBackends(prefect_db, mlflow_db, f"s3://{BUCKET}/mlartifacts", s3_endpoint)
         # An events worker left by an earlier test in this process would keep its old client: start fresh.
-        EventsWorker.drain_all(timeout=10)
+        drain_prefect_workers(timeout=10)
         with (
             team_services(tmp_path, backends) as (prefect_api, mlflow_uri),
             ray_head(tmp_path) as (ray_address, ray_env),
             temporary_settings(updates={PREFECT_API_URL: prefect_api}),
         ):
-            summary = _run_cycle_and_check(
-                config_path, s3_endpoint, mlflow_uri, ray_address, ray_env, monkeypatch
-            )
+            try:
+                summary = _run_cycle_and_check(
+                    config_path, s3_endpoint, mlflow_uri, ray_address, ray_env, monkeypatch
+                )
+            finally:  # while the team's server still runs: later tests' flows get workers of their own
+                drain_prefect_workers()
             # Prefect: the flow run, its stage task runs and the `gpus` limit live in PostgreSQL.
             flow_runs = _postgres_rows(
                 prefect_db, "SELECT state_type FROM flow_run WHERE id = %s", summary["run_id"]

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import yaml
 from fixtures_engine import engine_settings
-from fixtures_flow import FlowEnv, run_cycle_in_process
+from fixtures_flow import FlowEnv, drain_prefect_workers, run_cycle_in_process
 
 from draftloop.infra.engines.base import EngineConfigError, ServerSpec, is_loopback
 from draftloop.infra.engines.server import EngineServer
@@ -261,7 +261,6 @@ def test_planted_secrets_reach_no_mlflow_record_prefect_record_or_run_file(
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogWorker
 
     unique = uuid.uuid4().hex[:12]
     secrets = {
@@ -289,6 +288,7 @@ def test_planted_secrets_reach_no_mlflow_record_prefect_record_or_run_file(
     given = config_path.read_text() + json.dumps(overrides)
     assert all(value in given for value in secrets.values())
 
+    drain_prefect_workers(timeout=10)  # workers of this session's server, not one an earlier test left
     summary, _ = run_cycle_in_process(
         dataclasses.replace(flow_env, config_path=config_path), overrides, until="synthesize"
     )
@@ -309,7 +309,7 @@ def test_planted_secrets_reach_no_mlflow_record_prefect_record_or_run_file(
     assert run.data.params["engine.env.HF_TOKEN"] == run.data.params["engine.env.DB_PASSWORD"] == REDACTED
 
     # Prefect: the flow run's parameters, state and every log line it sent, and the run's artifacts.
-    APILogWorker.drain_all()
+    drain_prefect_workers(timeout=60)
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(uuid.UUID(summary["run_id"]))
         logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))

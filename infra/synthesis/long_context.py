@@ -171,8 +171,13 @@ def _build_prompt(
         )
     body = body_of(whole)
     words = lines[whole][0].split(" ")
-    partial = _largest_fitting(
-        len(words), lambda count: tokens_of(body + "\n" + " ".join(words[:count])) <= length
+    heading = lines[whole][0].startswith("## ")  # cut, a heading would name no module (a bare "##")
+    partial = (
+        0
+        if heading
+        else _largest_fitting(
+            len(words), lambda count: tokens_of(body + "\n" + " ".join(words[:count])) <= length
+        )
     )
     if partial:
         body += "\n" + " ".join(words[:partial])
