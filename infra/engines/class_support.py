@@ -74,7 +74,7 @@ def eagle3_class_support(
 
 def vllm_class_support(vllm_dir: Path, architectures: Sequence[str], enabler: bool) -> ClassSupport:
     """`eagle3_class_support` on a vLLM package folder; `enabler`: the plugin's eagle3_enabler is on."""
-    registry = _vllm_registry(vllm_dir / "model_executor" / "models" / "registry.py")
+    registry = vllm_registry(vllm_dir / "model_executor" / "models" / "registry.py")
     known = [name for name in architectures if name in registry]
     if not known:
         return ClassSupport(
@@ -88,7 +88,7 @@ def vllm_class_support(vllm_dir: Path, architectures: Sequence[str], enabler: bo
     module, class_name = registry[architecture]
     backend = module == "transformers"
     where = f"{module}.{class_name}"
-    native = _implements(vllm_dir, _module_path(vllm_dir, module), class_name, "SupportsEagle3", 0)
+    native = _implements(vllm_dir, vllm_module_path(vllm_dir, module), class_name, "SupportsEagle3", 0)
     if native is None:
         return ClassSupport(architecture, where, "unknown", f"cannot read {where} in {vllm_dir}", backend)
     if native:
@@ -107,7 +107,7 @@ def vllm_class_support(vllm_dir: Path, architectures: Sequence[str], enabler: bo
 
 
 @lru_cache(maxsize=8)
-def _vllm_registry(path: Path) -> dict[str, tuple[str, str]]:
+def vllm_registry(path: Path) -> dict[str, tuple[str, str]]:
     """architecture -> (module under model_executor/models, class), as vLLM's `_VLLM_MODELS` merges its
     tables (later tables win)."""
     tables: dict[str, dict[str, tuple[str, str]]] = {}
@@ -134,7 +134,7 @@ def _vllm_registry(path: Path) -> dict[str, tuple[str, str]]:
     return merged
 
 
-def _module_path(vllm_dir: Path, module: str) -> Path:
+def vllm_module_path(vllm_dir: Path, module: str) -> Path:
     """The file of a registry module name ("llama", or absolute "vllm.x.y")."""
     if module.startswith("vllm."):
         base = vllm_dir.joinpath(*module.split(".")[1:])

@@ -19,7 +19,9 @@ verdict reports. The clauses:
   the config names their convention: read in the wrong one, it would fuse other layers than it learnt;
 - what training recorded in the draftloop block (`kernels.contract.contract_record`): the last hidden
   state after the final norm; the chat template synthesis rendered with is the one served (sha256);
-  the target dtype and quantization the hidden states came from against the served ones (warnings).
+  the target dtype and quantization the hidden states came from against the served ones (warnings);
+- the EAGLE 3.1 fields the drafter's config sets are read by the engine's installed drafter class
+  (infra/engines/variant_support.py): unread, the engine would serve it as plain EAGLE-3.
 
 A published drafter (no draftloop block) has no record: those clauses have nothing to compare. A
 fine-tuning (`FineTuneContract`, what config validation passes for training.drafter_init) retrains on the
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from draftloop.infra.engines.base import Engine, EngineConfigError, drafter_config_layer_ids, read_json
+from draftloop.infra.engines.variant_support import engine_models_folder, variant_support
 from draftloop.kernels.checkpoint import load_drafter, read_drafter_config
 from draftloop.kernels.contract import (
     CHAT_TEMPLATE_KEY,
@@ -85,6 +88,9 @@ class ServingContract:
     quantization: str | None = None
     chat_template: Path | None = None
     layer_id_convention: str | None = None
+    # The engine's model-class folder (its installed source: which drafter fields it reads) and kind.
+    engine_models: Path | None = None
+    engine_kind: str | None = None
 
     @classmethod
     def from_engine(cls, engine: Engine) -> ServingContract:
@@ -96,6 +102,8 @@ class ServingContract:
             quantization=_flag_value(settings.extra_args, ("--quantization", "-q")),
             chat_template=Path(template) if template is not None else None,
             layer_id_convention=engine.layer_id_convention,
+            engine_models=engine_models_folder(engine),
+            engine_kind=engine.kind,
         )
 
 
@@ -381,6 +389,40 @@ def _check_target_numerics(pair: _Pair) -> Iterator[ContractIssue]:
             )
 
 
+EAGLE31_FIELDS = ("fc_norm", "norm_before_fc", "norm_output")  # as vLLM 0.32 and SGLang name them
+
+
+def _check_variant_fields(pair: _Pair) -> Iterator[ContractIssue]:
+    """EAGLE 3.1 fields the drafter's config.json sets that the engine's drafter class never reads: served,
+    the drafter would run as plain EAGLE-3 (infra/engines/variant_support.py)."""
+    serving = pair.serving
+    if serving is None or serving.engine_models is None or "speculators_model_type" in pair.drafter:
+        return  # no engine source to read (a speculators folder: vLLM translates its fields itself)
+    eagle_config = pair.drafter.get("eagle_config")
+    nested = eagle_config if isinstance(eagle_config, Mapping) else {}
+    fields = {name for name in EAGLE31_FIELDS if pair.drafter.get(name) or nested.get(name)}
+    architectures = pair.drafter.get("architectures") or []
+    if not fields or not architectures:
+        return
+    support = variant_support(serving.engine_models, str(architectures[0]), EAGLE31_FIELDS)
+    if support is None:
+        return  # the engine's folder does not define the class: not ours to judge
+    unread = support.unread(fields)
+    if not unread:
+        return
+    weights = " (its fc_norm weights skipped at load)" if "fc_norm" in unread else ""
+    yield ContractIssue(
+        "variant_fields",
+        "error",
+        pair.drafter_file,
+        f"the drafter sets {', '.join(f'{name}: true' for name in unread)} (EAGLE 3.1), but the "
+        f"{serving.engine_kind} class {support.architecture} ({support.module}) does not read "
+        f"{'it' if len(unread) == 1 else 'them'}: it would serve the drafter as plain EAGLE-3{weights}. "
+        "Use an engine version that reads the fields (SGLang: sgl-project/sglang#24663, the MLA drafter "
+        "#26506; vLLM 0.32), or train with training.drafter=eagle3",
+    )
+
+
 CHECKS: tuple[Check, ...] = (
     _check_attention,
     _check_target_weights,
@@ -392,6 +434,7 @@ CHECKS: tuple[Check, ...] = (
     _check_final_norm,
     _check_chat_template,
     _check_target_numerics,
+    _check_variant_fields,
 )
 # What the folder was trained on: a fine-tuning retrains on the config's data and records its own.
 TRAINED_ON_CHECKS: tuple[Check, ...] = (_check_final_norm, _check_chat_template, _check_target_numerics)
