@@ -3,6 +3,7 @@ outputs, fatal-log detection, the plugin's patch logic, and server lifecycle/eva
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,6 +52,7 @@ from draftloop.infra.engines.leftovers import clean_stale_servers
 from draftloop.infra.engines.pairing import DrafterPairingError, check_drafter_contract, check_drafter_pairing
 from draftloop.infra.engines.server import EngineServer, EngineSmokeError, EngineStartError
 from draftloop.infra.runtime.config import EngineConfig
+from draftloop.infra.runtime.processes import is_alive
 from draftloop.kernels.counters import SpecCounters
 from draftloop.kernels.layer_ids import LayerIds
 
@@ -559,6 +561,51 @@ def test_startup_timeout_stops_the_server(tmp_path: Path) -> None:
     with pytest.raises(EngineStartError, match="not ready after"), server:
         pass
     assert server.process is not None and server.process.poll() is not None
+
+
+# A driver that starts two servers together (in threads, as an evaluation does) and waits: they never
+# become ready ("slow"), so a SIGTERM reaches it while both start.
+_DRIVER_STARTING_TWO = """
+import contextlib, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from fake_engine import fake_engine
+from draftloop.infra.engines.server import EngineServer
+from draftloop.infra.evaluation.measure import enter_together
+run, target = Path(sys.argv[1]), Path(sys.argv[3])
+engine = fake_engine("--mode", "slow", timeout_s=300)
+servers = [EngineServer(engine, target, run, name=name) for name in ("baseline", "speculative")]
+with contextlib.ExitStack() as stack:
+    enter_together(stack, servers)
+"""
+
+
+def test_a_driver_terminated_while_its_servers_start_together_stops_them(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    tests_dir = str(Path(__file__).resolve().parent)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER_STARTING_TWO, str(run_dir), tests_dir, str(_target(tmp_path))]
+    )
+    pidfiles = [run_dir / "engine-servers" / f"{name}.json" for name in ("baseline", "speculative")]
+    deadline = time.monotonic() + 60
+    while not all(path.exists() for path in pidfiles) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    servers = [int(json.loads(path.read_text())["pid"]) for path in pidfiles]
+    try:
+        assert all(is_alive(pid) for pid in servers)
+        time.sleep(1.0)  # both are in their start-up wait, in the driver's threads
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while any(is_alive(pid) for pid in servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in servers if is_alive(pid)] == []  # none orphaned
+    finally:
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if driver.poll() is None:
+            driver.kill()
 
 
 def test_stale_server_of_a_crashed_run_is_killed_on_next_start(tmp_path: Path) -> None:

@@ -95,7 +95,8 @@ class SmokeResult:
 # Servers started by this process, stopped at exit or on a terminating signal.
 _LIVE: set[EngineServer] = set()
 _LIVE_LOCK = threading.Lock()
-_HANDLERS_INSTALLED = False
+_AT_EXIT_REGISTERED = False
+_SIGNALS_HANDLED = False
 
 
 def _stop_all_live() -> None:
@@ -120,17 +121,20 @@ _PREVIOUS_HANDLERS: dict[int, Any] = {}
 
 
 def _install_exit_handlers() -> None:
-    global _HANDLERS_INSTALLED
-    if _HANDLERS_INSTALLED:
+    """Stop this process's servers at exit and on a terminating signal. Signal handlers can only be set
+    from the main thread: a call from another (servers entered together start in threads) registers
+    atexit only, and the next main-thread call sets them (a server object is made there first)."""
+    global _AT_EXIT_REGISTERED, _SIGNALS_HANDLED
+    if not _AT_EXIT_REGISTERED:
+        _AT_EXIT_REGISTERED = True
+        atexit.register(_stop_all_live)
+    if _SIGNALS_HANDLED or threading.current_thread() is not threading.main_thread():
         return
-    _HANDLERS_INSTALLED = True
-    atexit.register(_stop_all_live)
-    # Signal handlers can only be set from the main thread; elsewhere atexit and pidfiles cover it.
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            with contextlib.suppress(ValueError, OSError):
-                _PREVIOUS_HANDLERS[signum] = signal.getsignal(signum)
-                signal.signal(signum, _on_signal)
+    _SIGNALS_HANDLED = True
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):
+            _PREVIOUS_HANDLERS[signum] = signal.getsignal(signum)
+            signal.signal(signum, _on_signal)
 
 
 class EngineServer:
@@ -173,6 +177,7 @@ class EngineServer:
         self._own_pids: set[int] = set()
         self._argv: list[str] = []
         self.starts = 0  # how often the process was launched
+        _install_exit_handlers()  # here, in the caller's thread: the start may run in another
 
     # ---- properties --------------------------------------------------------------------------
 
