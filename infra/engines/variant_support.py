@@ -69,11 +69,14 @@ def variant_support(models_folder: Path, architecture: str, fields: tuple[str, .
     registry = models_folder / "registry.py"
     if registry.is_file():  # vLLM: the architecture names a (module, class) in its model registry
         entry = vllm_registry(registry).get(architecture)
-        candidates = [vllm_module_path(models_folder.parent.parent, entry[0])] if entry else []
-        defines = re.compile(rf"^class {re.escape(entry[1])}\b" if entry else "$^", re.MULTILINE)
+        if entry is None:
+            return None
+        candidates = [vllm_module_path(models_folder.parent.parent, entry[0])]
+        class_name = entry[1]
     else:  # SGLang: the class is named as the architecture (the module's EntryClass)
         candidates = sorted(models_folder.glob("*.py"))
-        defines = re.compile(rf"^class {re.escape(architecture)}\b", re.MULTILINE)
+        class_name = architecture
+    defines = re.compile(rf"^class {re.escape(class_name)}\b", re.MULTILINE)
     for path in candidates:
         try:
             text = path.read_text(encoding="utf-8")

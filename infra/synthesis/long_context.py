@@ -171,14 +171,11 @@ def _build_prompt(
         )
     body = body_of(whole)
     words = lines[whole][0].split(" ")
-    heading = lines[whole][0].startswith("## ")  # cut, a heading would name no module (a bare "##")
-    partial = (
-        0
-        if heading
-        else _largest_fitting(
+    partial = 0
+    if not lines[whole][0].startswith("## "):  # cut, a heading would name no module (a bare "##")
+        partial = _largest_fitting(
             len(words), lambda count: tokens_of(body + "\n" + " ".join(words[:count])) <= length
         )
-    )
     if partial:
         body += "\n" + " ".join(words[:partial])
     quoted = tuple(dict.fromkeys(name for _, name in lines[: whole + (1 if partial else 0)]))
