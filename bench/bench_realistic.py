@@ -64,6 +64,25 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+def other_gpu_processes() -> int | None:
+    """Compute processes on this GPU besides this one (nvidia-smi; None where it cannot tell). The bf16
+    peak is measured in-process: a GPU shared with other processes deflates it and inflates the MFU
+    (1.42 on 2026-12-04, three processes on one H200), so a shared GPU's MFU is not a figure."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return len([pid for pid in listed if pid.strip() != str(os.getpid())])
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (each recompilation adds one)."""
     from torch._dynamo.utils import counters
@@ -258,6 +277,7 @@ def long_row_table(
             run = draftloop_run(s, steps, row_args, dev, 0, 1, flops, warm_steps=2)
             entry |= {k: run[k] for k in ("tok_per_s", "mfu", "time_to_first_step_s", "timed_steps")}
             entry |= {"peak_gib": run.get("peak_gib"), "recompiles": run["recompiles_after_first_step"]}
+            entry["mfu_within_bound"] = run["mfu"] <= 1  # (> 1: the FLOP count or the peak is wrong)
         except torch.cuda.OutOfMemoryError as error:
             entry |= {"oom": True, "error": str(error).splitlines()[0][:300]}
         log(f"long rows {length}: {entry}")
@@ -285,6 +305,12 @@ def parse_lengths(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="the bf16 matmul peak MFU is counted on (default: measured here, at the start)",
+    )
     parser.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -351,14 +377,19 @@ def main() -> None:
     cap = 256 if args.tiny else 4096
     if args.tiny:
         args.pack_tokens = min(args.pack_tokens, cap)
-    args.peak = matmul_peak(dev)
+    sharing = other_gpu_processes() if dev == "cuda" else 0
+    args.peak = args.peak_flops or matmul_peak(dev)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "torch": torch.__version__,
         "shapes": s,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "peak")}
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "peak", "peak_flops")}
         | {"cap": cap, "median": MEDIAN_TOKENS},
         "bf16_matmul_peak_flops": args.peak,
+        "peak_measured": args.peak_flops is None,
+        # > 0: other processes shared the GPU while its peak was measured (and while this one trained):
+        # then neither MFU nor tok/s is a figure of this trainer alone.
+        "other_gpu_processes": sharing,
     }
 
     def write() -> None:
