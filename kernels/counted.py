@@ -21,12 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["CHUNK_TOKENS", "INDEX_MULTIPLE", "CountedIndex", "counted_index", "counted_mask"]
+__all__ = ["CHUNK_TOKENS", "INDEX_MULTIPLE", "MAX_CHUNKS", "CountedIndex", "counted_index", "counted_mask"]
 
 # Counted positions per chunk of the loss head at most: bounds the fp32 [chunk, draft vocab] tensors
 # the soft cross-entropy works on (1,024 x 32k x 4 B = 128 MiB) while each chunk's [chunk, H] x [H, Vd]
 # matmul stays large enough to run at full speed.
 CHUNK_TOKENS = 1024
+# Chunks per TTT step at most. The compiled loss unrolls its chunk loop (one matmul and soft
+# cross-entropy, forward and backward, per chunk and step), so its compile time grows with the chunk
+# count: 4 chunks a step at 4,096-token rows, 32 at 32,768 (cold compiles of ~310 s at 4k, ~410 s at 8k,
+# none within 580 s at 32k on an H200). Past 4 chunks the chunks grow instead: a 32,768-token row's
+# chunks are <= 8,192 positions (fp32 [8192, 32k] = 1 GiB beside tens of GiB of activations), and
+# every row length compiles a graph of the same size.
+MAX_CHUNKS = 4
 # Chunk sizes are rounded up to this: never 0 or 1 (torch.compile would specialise on them), and the
 # padding (at most 63 positions of weight 0 per chunk) is noise next to the counted positions.
 INDEX_MULTIPLE = 64
@@ -58,11 +65,15 @@ class CountedIndex:
 
 
 def counted_index(
-    counted: Tensor, chunk_tokens: int = CHUNK_TOKENS, multiple: int = INDEX_MULTIPLE
+    counted: Tensor,
+    chunk_tokens: int = CHUNK_TOKENS,
+    multiple: int = INDEX_MULTIPLE,
+    max_chunks: int = MAX_CHUNKS,
 ) -> CountedIndex:
-    """The compact index of ``counted`` [T, B, L] (:func:`counted_mask`): K = ceil(B*L / chunk_tokens)
-    chunks (fixed by the shape) of M = step 0's count / K rounded up to ``multiple`` (so M <=
-    chunk_tokens rounded up), every step padded to K * M.
+    """The compact index of ``counted`` [T, B, L] (:func:`counted_mask`): K = min(ceil(B*L /
+    chunk_tokens), max_chunks) chunks (fixed by the shape) of M = step 0's count / K rounded up to
+    ``multiple`` (so M <= chunk_tokens rounded up while B*L <= max_chunks * chunk_tokens), every step
+    padded to K * M.
 
     Why one target table serves every step: step j's target at anchor t is the distribution after token
     t+1+j, which is step 0's target at anchor t+j; and anchor t+j counts at step 0 whenever t counts at
@@ -72,7 +83,7 @@ def counted_index(
     flat = rows * length
     per_step = counted.reshape(steps, flat)
     real = [per_step[j].nonzero().squeeze(1) for j in range(steps)]
-    chunks = max(1, -(-flat // chunk_tokens))
+    chunks = min(max(1, -(-flat // chunk_tokens)), max_chunks)
     per_chunk = max(1, -(-max(1, real[0].numel()) // chunks))
     per_chunk = -(-per_chunk // multiple) * multiple
     padded = chunks * per_chunk

@@ -97,12 +97,18 @@ def batches() -> dict[str, dict[str, Tensor]]:
     samples = multi_turn_samples(7, seed=5)
     rows = [samples[0:3], samples[3:5], samples[5:7]]
     small_chunks = collate_rows(rows)
-    index = counted_index(ttt_weights(small_chunks, TTT), chunk_tokens=16)
+    index = counted_index(ttt_weights(small_chunks, TTT), chunk_tokens=16, max_chunks=64)
     small_chunks |= {"ttt_anchors": index.anchors, "ttt_target_rows": index.target_rows}
+    # A long row's case: more chunks of chunk_tokens than the cap, so the chunks grow instead.
+    capped = collate_rows(rows)
+    index = counted_index(ttt_weights(capped, TTT), chunk_tokens=16, max_chunks=3)
+    assert index.anchors.shape[1] == 3 and index.anchors.shape[2] > 16
+    capped |= {"ttt_anchors": index.anchors, "ttt_target_rows": index.target_rows}
     return {
         "packed, index from collate": collate_rows(rows, ttt_length=TTT),
         "packed, index in the loss": collate_rows(rows),
         "packed, chunks of 16": small_chunks,
+        "packed, 3 chunks at most": capped,
         "unpacked, right-padded": collate_samples(samples[:4]),
         "unpacked, fixed shape": collate_rows(
             [[s] for s in samples[:3]], "cpu", None, 4, 64, packed=False, ttt_length=TTT
@@ -137,7 +143,7 @@ def test_index_holds_each_counted_position_once_and_padding_is_never_counted() -
     batch = collate_rows([multi_turn_samples(4, seed=2), multi_turn_samples(2, seed=3)])
     weights = ttt_weights(batch, TTT)
     flat = weights.shape[1] * weights.shape[2]
-    index = counted_index(weights, chunk_tokens=24)
+    index = counted_index(weights, chunk_tokens=24, max_chunks=64)
     assert index.anchors.shape[1] == -(-flat // 24) and index.anchors.shape[2] % 64 == 0
     for step in range(TTT):
         anchors = index.anchors[step].flatten()
@@ -147,3 +153,13 @@ def test_index_holds_each_counted_position_once_and_padding_is_never_counted() -
         rows = index.target_rows[step].flatten()[anchors != flat - 1]
         assert (index.anchors[0].flatten()[rows] == real + step).all()
     assert not weights.flatten(1)[:, flat - 1].any()
+
+
+def test_chunks_per_step_stop_growing_at_the_cap_so_long_rows_compile_one_graph_size() -> None:
+    # Rows up to MAX_CHUNKS * CHUNK_TOKENS keep chunks of <= CHUNK_TOKENS; longer rows the same chunk count.
+    for length, chunks in [(2048, 2), (4096, 4), (8192, 4), (32768, 4)]:
+        counted = torch.zeros(TTT, 1, length, dtype=torch.bool)
+        counted[:, 0, : length - 16] = True
+        index = counted_index(counted)
+        assert index.anchors.shape[:2] == (TTT, chunks), length
+        assert chunks * index.anchors.shape[2] >= length - 16, length  # every counted position held
