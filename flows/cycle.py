@@ -170,6 +170,7 @@ def build_summary(ctx: CycleContext, started: float, status: str) -> dict[str, A
                 "uri": ctx.outcomes[name].uri,
                 "rows": ctx.outcomes[name].manifest.rows,
                 "figures": timing.figures,
+                "shown": timing.shown,
             }
             for name, timing in ctx.timings.items()
         },

@@ -41,6 +41,7 @@ class StageTiming:
     seconds: float
     cache_hit: bool
     figures: dict[str, Any] = field(default_factory=dict)  # the stage's declared figures, by label
+    shown: dict[str, str] = field(default_factory=dict)  # the same as people read them ("41.2 %")
 
 
 @dataclass

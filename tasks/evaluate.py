@@ -17,6 +17,7 @@ from draftloop.infra.engines.base import get_engine
 from draftloop.infra.evaluation.plan import EvaluationPlan
 from draftloop.infra.evaluation.results import evaluation_summary, level_metrics
 from draftloop.infra.evaluation.run import evaluate
+from draftloop.infra.registry.figures import format_percent
 from draftloop.infra.runtime.processes import state_dir
 from draftloop.infra.runtime.ray_cluster import ensure_ray
 from draftloop.infra.runtime.storage import DatasetWriter, Manifest, download_shards, storage_options
@@ -89,9 +90,13 @@ STAGE = Stage(
         Figure("verdict", "verdict"),
         Figure("engine", "engine"),
         Figure("results.mean_acceptance_length", "acceptance length"),
-        Figure("results.acceptance_rate", "acceptance rate"),
-        Figure("results.speedup.1", "speedup @ concurrency 1 (x)"),
-        Figure("recommended_k", "recommended k"),
+        Figure("results.acceptance_rate", "acceptance", format_percent),
+        Figure("results.speedup.1", "speedup @ c=1", lambda speedup: f"{speedup:.2f}x"),
+        Figure(
+            "recommended_k",
+            "recommended k",
+            lambda by_level: ", ".join(f"{k} @ c={c}" for c, k in by_level.items()),
+        ),
     ),
     description=(
         "Everything up to the evaluation report: train, serve and benchmark the drafter, "

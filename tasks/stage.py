@@ -42,6 +42,8 @@ class Figure:
 
     key: str
     label: str
+    # How the stage's log line writes it (None: three significant digits, lists item by item).
+    shown: Callable[[Any], str] | None = None
 
     def value(self, summary: Mapping[str, Any]) -> Any:
         value: Any = summary
@@ -103,17 +105,27 @@ class Stage:
         shown = {figure.label: figure.value(summary) for figure in self.figures}
         return {label: value for label, value in shown.items() if value is not None}
 
+    def shown_figures(self, summary: Mapping[str, Any]) -> dict[str, str]:
+        """The declared figures present in `summary`, by label, as people read them (units, rounded)."""
+        shown: dict[str, str] = {}
+        for figure in self.figures:
+            value = figure.value(summary)
+            if value is None:
+                continue
+            if figure.shown is not None:
+                shown[figure.label] = figure.shown(value)
+            elif isinstance(value, list):
+                shown[figure.label] = "[" + ", ".join(format_significant(v) for v in value) + "]"
+            else:
+                shown[figure.label] = format_significant(value)
+        return shown
+
     def report(self, summary: Mapping[str, Any], seconds: float, cache_hit: bool) -> str:
         """One human line for the Prefect log: the declared figures, rounded."""
         if cache_hit:
             return f"{self.name}: reused the finished stage with the same inputs"
         figures = [f"{seconds:.1f} s"]
-        for label, value in self.figures_of(summary).items():
-            if isinstance(value, list):
-                shown = "[" + ", ".join(format_significant(v) for v in value) + "]"
-            else:
-                shown = format_significant(value)
-            figures.append(f"{label} {shown}")
+        figures += [f"{label} {text}" for label, text in self.shown_figures(summary).items()]
         return f"{self.name}: done, " + ", ".join(figures)
 
 
@@ -246,6 +258,7 @@ def execute(stage: Stage, ctx: CycleContext) -> StageOutcome:
         seconds=round(time.perf_counter() - started, 3),
         cache_hit=outcome.cache_hit,
         figures=stage.figures_of(outcome.manifest.summary),
+        shown=stage.shown_figures(outcome.manifest.summary),
     )
     ctx.mark(stage.name, "done")
     _log(stage.report(outcome.manifest.summary, ctx.timings[stage.name].seconds, outcome.cache_hit))

@@ -86,6 +86,24 @@ def test_a_partial_run_lists_what_it_produced_and_where_without_na_rows() -> Non
     assert f"{extract} `file:///runs/tiny/extract/9f2c4e` |" in text
 
 
+def test_a_stage_row_shows_its_figures_as_the_log_line_does() -> None:
+    evaluate = {
+        "seconds": 60.4,
+        "cache_hit": False,
+        "uri": "file:///runs/tiny/evaluate/b7cc65",
+        "rows": 16,
+        "figures": {"acceptance": 0.0253, "speedup @ c=1": 0.513, "loss per epoch": [92.5, 62.8]},
+        "shown": {"acceptance": "2.5 %", "speedup @ c=1": "0.51x", "loss per epoch": "[92.5, 62.8]"},
+    }
+    text = summary_markdown(
+        {"run_id": "ab12", "config": "tiny-llama", "status": "completed", "stages": {"evaluate": evaluate}}
+    )
+    assert (
+        "| evaluate | 60.4 | run | 16 | acceptance 2.5 %, speedup @ c=1 0.51x |" in text
+    )  # (lists: own rows)
+    assert "0.0253" not in text
+
+
 def test_the_artifact_shows_the_simulator_on_the_engines_prompt_mix() -> None:
     text = summary_markdown(_whole(_registered(True, [])))
     assert "| engine vs simulator acceptance (same prompts and mix) | 45.4 % vs 45.4 %, consistent |" in text

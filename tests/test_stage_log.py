@@ -73,8 +73,10 @@ def test_stage_report_reads_nested_evaluation_results() -> None:
     }
     line = CYCLE.stage("evaluate").report(summary, seconds=120.0, cache_hit=False)
     assert "acceptance length 2.24" in line
-    assert "speedup @ concurrency 1 (x) 1.91" in line
+    assert "acceptance 41.2 %" in line and "speedup @ c=1 1.91x" in line  # a percentage, a speedup
     assert "recommended k" not in line  # absent figures are left out, not shown as None
+    line = CYCLE.stage("evaluate").report(summary | {"recommended_k": {"1": 3, "4": 2}}, 1.0, False)
+    assert line.endswith("recommended k 3 @ c=1, 2 @ c=4")
 
 
 def test_cached_stage_says_it_was_reused() -> None:
