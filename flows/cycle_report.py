@@ -94,14 +94,15 @@ def _stage_rows(summary: Mapping[str, Any]) -> list[str]:
     """Per stage: time, cache, what it produced (rows and its declared figures) and where."""
     rows = ["| stage | seconds | cache | rows | produced | output |", "|---|---|---|---|---|---|"]
     for name, timing in (summary.get("stages") or {}).items():
-        shown = timing.get("shown")
-        if shown is None:  # (a summary.json written before the figures were kept as shown)
-            shown = {
-                label: format_significant(value)
-                for label, value in (timing.get("figures") or {}).items()
-                if not isinstance(value, list | dict)
-            }
-        figures = ", ".join(f"{label} {text}" for label, text in shown.items() if not text.startswith("["))
+        raw = timing.get("figures") or {}
+        # (a summary.json written before the figures were kept as shown: the raw ones, dicts left out)
+        shown = timing.get("shown") or {
+            label: format_significant(value) for label, value in raw.items() if not isinstance(value, dict)
+        }
+        # Lists (per-epoch figures) have rows of their own.
+        figures = ", ".join(
+            f"{label} {text}" for label, text in shown.items() if not isinstance(raw.get(label), list)
+        )
         rows.append(
             f"| {name} | {timing['seconds']:.1f} | {'hit' if timing['cache_hit'] else 'run'} | "
             f"{timing.get('rows', '-')} | {figures or '-'} | `{timing.get('uri') or '-'}` |"

@@ -23,9 +23,9 @@ from torch import Tensor
 
 __all__ = ["CHUNK_TOKENS", "INDEX_MULTIPLE", "MAX_CHUNKS", "CountedIndex", "counted_index", "counted_mask"]
 
-# Counted positions per chunk of the loss head at most: bounds the fp32 [chunk, draft vocab] tensors
-# the soft cross-entropy works on (1,024 x 32k x 4 B = 128 MiB) while each chunk's [chunk, H] x [H, Vd]
-# matmul stays large enough to run at full speed.
+# Counted positions per chunk of the loss head at most (in rows of up to MAX_CHUNKS x this): bounds the
+# fp32 [chunk, draft vocab] tensors the soft cross-entropy works on (1,024 x 32k x 4 B = 128 MiB) while
+# each chunk's [chunk, H] x [H, Vd] matmul stays large enough to run at full speed.
 CHUNK_TOKENS = 1024
 # Chunks per TTT step at most. The compiled loss unrolls its chunk loop (one matmul and soft
 # cross-entropy, forward and backward, per chunk and step), so its compile time grows with the chunk

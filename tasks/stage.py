@@ -51,6 +51,14 @@ class Figure:
             value = value.get(part) if isinstance(value, Mapping) else None
         return value
 
+    def text(self, value: Any) -> str:
+        """``value`` as people read it."""
+        if self.shown is not None:
+            return self.shown(value)
+        if isinstance(value, list):
+            return "[" + ", ".join(format_significant(v) for v in value) + "]"
+        return format_significant(value)
+
 
 @dataclass(frozen=True)
 class StageRequest:
@@ -107,18 +115,8 @@ class Stage:
 
     def shown_figures(self, summary: Mapping[str, Any]) -> dict[str, str]:
         """The declared figures present in `summary`, by label, as people read them (units, rounded)."""
-        shown: dict[str, str] = {}
-        for figure in self.figures:
-            value = figure.value(summary)
-            if value is None:
-                continue
-            if figure.shown is not None:
-                shown[figure.label] = figure.shown(value)
-            elif isinstance(value, list):
-                shown[figure.label] = "[" + ", ".join(format_significant(v) for v in value) + "]"
-            else:
-                shown[figure.label] = format_significant(value)
-        return shown
+        values = [(figure, figure.value(summary)) for figure in self.figures]
+        return {figure.label: figure.text(value) for figure, value in values if value is not None}
 
     def report(self, summary: Mapping[str, Any], seconds: float, cache_hit: bool) -> str:
         """One human line for the Prefect log: the declared figures, rounded."""
