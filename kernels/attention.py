@@ -12,9 +12,14 @@ which keys each query sees:
   sees the first-pass keys ``past`` at positions 0..t (of its own sample when ``segments`` is given) and,
   at its own position only, the keys of the ``earlier`` chain steps and its own key. Computed with
   elementwise products instead of a [T, T*steps] mask.
+- `SlottedChain(past, slots, segments)`: the same visibility as `Chain`, the earlier steps held in
+  fixed-size `ChainSlots` with a tensor count, so that every chain step is one computation of the same
+  shapes (the compiled TTT loss runs steps 1..T-1 through one graph: kernels/objective.py).
 
 Compiled on CUDA, `Packed` and `Chain` are one FlexAttention call whose block mask skips the blocks no
 query sees (between samples, off the chain's diagonal); elsewhere a dense mask or the elementwise form.
+`SlottedChain` is FlexAttention over the first-pass keys only, its log-sum-exp merged with the diagonal's
+scores: the chain's keys cost one score each, not one 128 x 128 block each.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AttentionMode", "Chain", "Decode", "KVPair", "Masked", "Packed"]
+__all__ = ["AttentionMode", "Chain", "ChainSlots", "Decode", "KVPair", "Masked", "Packed", "SlottedChain"]
 
 KVPair = tuple[Tensor, Tensor]
 
@@ -115,7 +120,78 @@ class Chain(NamedTuple):
         return _chain_elementwise(q, past_k, past_v, chain, visible, scale)
 
 
-AttentionMode = Decode | Masked | Packed | Chain
+class ChainSlots(NamedTuple):
+    """The keys and values of a chain's earlier steps in fixed-size slots, [B, Hk, S, T, *]; slots
+    0..filled-1 hold steps 1..filled (``filled``: a 0-d integer tensor, so that no step's count is a
+    Python number a compiled graph would be specialised on)."""
+
+    keys: Tensor
+    values: Tensor
+    filled: Tensor
+
+    @classmethod
+    def empty(cls, past: KVPair, slots: int) -> ChainSlots:
+        """``slots`` empty slots shaped like the first-pass keys and values ``past``."""
+        keys, values = past
+        batch, heads = keys.shape[:2]
+        # Requiring grad as every later step's slots do, so a compiled chain pass sees one kind of input.
+        grad = keys.requires_grad or values.requires_grad
+        return cls(
+            keys.new_zeros(batch, heads, slots, *keys.shape[2:]).requires_grad_(grad),
+            values.new_zeros(batch, heads, slots, *values.shape[2:]).requires_grad_(grad),
+            torch.zeros((), dtype=torch.int64, device=keys.device),
+        )
+
+    def with_step(self, kv: KVPair) -> ChainSlots:
+        """These slots with one more step's keys and values ``kv`` [B, Hk, T, *] in the next free slot."""
+        slot = (torch.arange(self.keys.shape[2], device=self.keys.device) == self.filled)[:, None, None]
+        return ChainSlots(
+            torch.where(slot, kv[0].unsqueeze(2), self.keys),
+            torch.where(slot, kv[1].unsqueeze(2), self.values),
+            self.filled + 1,
+        )
+
+
+class SlottedChain(NamedTuple):
+    """A chain step as `Chain` sees it, the earlier steps in ``slots``: the first-pass keys ``past`` causally
+    (inside the query's sample with ``segments``), the filled slots and the own key on the diagonal.
+
+    Computed as attention over the past alone (its output and log-sum-exp), then one softmax over that
+    log-sum-exp and the diagonal's scores: softmax over past + diagonal = a weighted mix of the past's
+    output and the diagonal values, weights softmax([lse_past, s_1, .., s_n, s_own])."""
+
+    past: KVPair
+    slots: ChainSlots
+    segments: Tensor | None = None
+
+    def attend(self, q: Tensor, own_k: Tensor, own_v: Tensor, scale: float) -> Tensor:
+        past_k, past_v = self.past
+        if _compiled_flex(q):
+            out, lse = _flex_past(q, past_k, past_v, scale, self.segments)
+        else:
+            out, lse = _dense_past(q, past_k, past_v, scale, self.segments)
+        batch, q_heads, length, _ = q.shape
+        kv_heads = own_k.shape[1]
+        grouped = (batch, kv_heads, q_heads // kv_heads, length)  # query head h = kv head h // G
+        q5 = q.view(*grouped, -1).float()
+        # [B, Hk, G, T, S]: query t against slot s's key at t (empty slots: -inf, weight 0)
+        slot_keys = self.slots.keys.transpose(2, 3).unsqueeze(2).float()  # [B, Hk, 1, T, S, d]
+        slot_scores = (q5.unsqueeze(4) * slot_keys).sum(-1) * scale
+        empty = torch.arange(slot_scores.shape[-1], device=q.device) >= self.slots.filled
+        slot_scores = slot_scores.masked_fill(empty, float("-inf"))
+        own_scores = (q5 * own_k.unsqueeze(2).float()).sum(-1, keepdim=True) * scale
+        scores = torch.cat((lse.reshape(*grouped, 1), slot_scores, own_scores), dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        slot_values = self.slots.values.transpose(2, 3).unsqueeze(2).float()  # [B, Hk, 1, T, S, dv]
+        mixed = (
+            weights[..., :1] * out.reshape(*grouped, -1).float()
+            + (weights[..., 1:-1, None] * slot_values).sum(-2)
+            + weights[..., -1:] * own_v.unsqueeze(2).float()
+        )
+        return mixed.to(q.dtype).reshape(batch, q_heads, length, -1)
+
+
+AttentionMode = Decode | Masked | Packed | Chain | SlottedChain
 
 
 def _joined(pairs: Sequence[KVPair]) -> KVPair | None:
@@ -138,6 +214,25 @@ def _segment_mask(segments: Tensor, length: int, device: torch.device) -> Tensor
     positions = torch.arange(length, device=device)
     same_sample = segments[:, None, :, None] == segments[:, None, None, :]
     return same_sample & (positions[None, :] <= positions[:, None])
+
+
+def _dense_past(
+    q: Tensor, keys: Tensor, values: Tensor, scale: float, segments: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Causal attention over ``keys`` (of the query length; inside each sample with ``segments``): its
+    output [B, Hq, T, dv] and log-sum-exp [B, Hq, T] (fp32). The reference for `_flex_past`."""
+    batch, q_heads, length, _ = q.shape
+    kv_heads = keys.shape[1]
+    q5 = q.view(batch, kv_heads, q_heads // kv_heads, length, -1)
+    scores = torch.matmul(q5, keys.unsqueeze(2).transpose(-1, -2)).float() * scale
+    if segments is None:
+        visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    else:
+        visible = _segment_mask(segments, length, q.device).unsqueeze(2)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]).to(q.dtype), values.unsqueeze(2))
+    return out.reshape(batch, q_heads, length, -1), lse.reshape(batch, q_heads, length)
 
 
 def _chain_elementwise(
@@ -237,3 +332,32 @@ def _flex_chain(
     gqa = keys.shape[1] != q.shape[1]
     out = flex_attention(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     return cast(Tensor, out)
+
+
+def _flex_past(
+    q: Tensor, keys: Tensor, values: Tensor, scale: float, segments: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """`_dense_past` as one sparse FlexAttention call (CUDA, compiled): the blocks above the diagonal and
+    between samples are skipped; returns the output and its log-sum-exp (natural log, fp32)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    length = q.shape[2]
+    if segments is None:
+
+        def causal(_b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return kv_idx <= q_idx
+
+        block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=length, KV_LEN=length, device=q.device)
+    else:
+
+        def same_sample(b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx) & (segments[b, kv_idx] == segments[b, q_idx])
+
+        block_mask = create_block_mask(
+            same_sample, B=segments.shape[0], H=None, Q_LEN=length, KV_LEN=length, device=q.device
+        )
+    gqa = keys.shape[1] != q.shape[1]
+    out, lse = flex_attention(
+        q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True
+    )
+    return cast(Tensor, out), cast(Tensor, lse)

@@ -18,20 +18,24 @@ segments), and positions restart per sample.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import AttentionMode, Chain, KVPair, Packed
+from .attention import AttentionMode, Chain, ChainSlots, KVPair, Packed, SlottedChain
 from .counted import CountedIndex, counted_index, counted_mask
 from .drafter import FIRST_PASS, Eagle3Drafter
 from .packing import sample_length
 
 __all__ = [
+    "EAGER_REGIONS",
+    "LossRegions",
     "batch_counted_index",
+    "compiled_regions",
     "draft_target_head",
     "sample_ttt_tokens",
     "ttt_loss",
@@ -111,6 +115,101 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return dz.to(logits.dtype), None, None, None, None
 
 
+# The loss's three pieces. Eagerly each is called as is; compiled (`compiled_regions`) each is its own
+# graph, reused: the first pass once a batch, the chain pass for steps 1..T-1, the chunk terms for every
+# chunk of every step. One unrolled 7-step graph took ~5 min to compile at the Llama-3.1-8B shape.
+
+
+def _first_pass(
+    drafter: Eagle3Drafter, aux_hidden: Tensor, ids: Tensor, positions: Tensor, segments: Tensor | None
+) -> tuple[Tensor, KVPair]:
+    """Step 0: the fused target states through the drafter, causal (inside each sample when packed)."""
+    hidden = drafter.fuse(aux_hidden)
+    first: AttentionMode = FIRST_PASS if segments is None else Packed(segments)
+    return drafter(hidden, ids, positions, first)
+
+
+ChainState = tuple[KVPair, ...] | ChainSlots  # the chain's earlier steps: listed (eager) or slotted
+
+
+def _listed_chain_pass(
+    drafter: Eagle3Drafter,
+    hidden: Tensor,
+    ids: Tensor,
+    positions: Tensor,
+    past: KVPair,
+    chain: ChainState,
+    segments: Tensor | None,
+) -> tuple[Tensor, ChainState]:
+    """Step j >= 1, the earlier steps a list: causal over step 0's keys plus the diagonal (`Chain`)."""
+    earlier = cast(tuple[KVPair, ...], chain)
+    hidden, kv = drafter(hidden, ids, positions, Chain(past=[past], earlier=earlier, segments=segments))
+    return hidden, (*earlier, kv)
+
+
+def _slotted_chain_pass(
+    drafter: Eagle3Drafter,
+    hidden: Tensor,
+    ids: Tensor,
+    positions: Tensor,
+    past: KVPair,
+    chain: ChainState,
+    segments: Tensor | None,
+) -> tuple[Tensor, ChainState]:
+    """:func:`_listed_chain_pass` with the earlier steps in fixed-size slots: every step has the same
+    shapes, so one compiled graph serves them all (`SlottedChain`)."""
+    slots = cast(ChainSlots, chain)
+    hidden, kv = drafter(hidden, ids, positions, SlottedChain(past, slots, segments))
+    return hidden, slots.with_step(kv)
+
+
+def _chunk_terms(
+    drafter: Eagle3Drafter,
+    flat_hidden: Tensor,
+    step_weights: Tensor,
+    anchors: Tensor,
+    rows: Tensor,
+    table: Tensor,
+    table_lse: Tensor,
+    table_argmax: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """One chunk of one step: the weighted soft cross-entropy sum at its counted ``anchors`` (targets:
+    ``rows`` of the table) and the weighted count of argmax hits."""
+    weight = step_weights[anchors]  # (0 at the padding)
+    logits = drafter.logits(flat_hidden[anchors])
+    loss_sum = _SoftCrossEntropy.apply(logits, table, table_lse, rows, weight)
+    with torch.no_grad():
+        hits = ((logits.argmax(-1) == table_argmax[rows]).float() * weight).sum()
+    return loss_sum, hits
+
+
+@dataclass(frozen=True)
+class LossRegions:
+    """How :func:`ttt_loss` runs its pieces, and how it keeps the chain between steps."""
+
+    first_pass: Callable[..., tuple[Tensor, KVPair]]
+    chain_pass: Callable[..., tuple[Tensor, ChainState]]
+    chunk_terms: Callable[..., tuple[Tensor, Tensor]]
+    new_chain: Callable[[KVPair, int], ChainState]  # (step 0's keys, T - 1) -> the empty chain
+    # Dynamic sizes marked before each chunk call (compiled: one graph for every count of positions).
+    mark_chunk_sizes: bool = False
+
+
+EAGER_REGIONS = LossRegions(_first_pass, _listed_chain_pass, _chunk_terms, lambda _past, _slots: ())
+
+
+def compiled_regions() -> LossRegions:
+    """The pieces each torch.compile'd on its own (shapes static except a chunk's count of positions):
+    three graphs and their backward passes per row shape, instead of one 7-step unroll."""
+    return LossRegions(
+        cast(Any, torch.compile(_first_pass, dynamic=False)),
+        cast(Any, torch.compile(_slotted_chain_pass, dynamic=False)),
+        cast(Any, torch.compile(_chunk_terms, dynamic=False)),
+        ChainSlots.empty,
+        mark_chunk_sizes=True,
+    )
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     batch: Mapping[str, Tensor],
@@ -118,6 +217,7 @@ def ttt_loss(
     ttt_length: int = 7,
     decay: float = 0.8,
     step_tokens: Tensor | None = None,
+    regions: LossRegions = EAGER_REGIONS,
 ) -> tuple[Tensor, Tensor]:
     """Weighted TTT loss of one collated batch, and per-step metrics ``terms`` [3, ttt_length] (loss, acc,
     tokens), left on the batch's device: reading them waits for the GPU, so the training loop reads one
@@ -131,6 +231,7 @@ def ttt_loss(
 
     The decoder layer runs at every position (every key is attended to); the drafter's logits, the
     target's and the cross-entropy only at counted positions (kernels/counted.py), in chunks.
+    ``regions``: eager pieces (the default) or :func:`compiled_regions`.
     """
     input_ids = batch["input_ids"]
     bsz, length = input_ids.shape
@@ -154,35 +255,37 @@ def ttt_loss(
         # end the anchor is not counted, and its outputs reach no counted position (own chain only; its
         # step-0 key is visible only to itself).
         ids_padded = F.pad(input_ids, (0, ttt_length + 1))
+    if regions.mark_chunk_sizes:
+        for tensor in (table, table_lse, table_argmax):
+            torch._dynamo.mark_dynamic(tensor, 0)
 
-    hidden = drafter.fuse(batch["aux_hidden"])
-    step0: KVPair | None = None
-    chain: list[KVPair] = []
+    def step_ids(step: int) -> Tensor:
+        return ids_padded[:, 1 + step : 1 + step + length].contiguous()
+
+    hidden, past = regions.first_pass(drafter, batch["aux_hidden"], step_ids(0), position_ids, segments)
+    chain = regions.new_chain(past, ttt_length - 1)
     total = hidden.new_zeros((), dtype=torch.float32)
     step_losses: list[Tensor] = []
     step_accs: list[Tensor] = []
     step_counts: list[Tensor] = []
     for step in range(ttt_length):
-        step_ids = ids_padded[:, 1 + step : 1 + step + length]
-        if step0 is None:
-            first: AttentionMode = FIRST_PASS if segments is None else Packed(segments)
-            hidden, kv = drafter(hidden, step_ids, position_ids, first)
-            step0 = kv
-        else:
-            # Causal over the step-0 keys plus the diagonal (FlexAttention when compiled on CUDA).
-            attention = Chain(past=[step0], earlier=chain, segments=segments)
-            hidden, kv = drafter(hidden, step_ids, position_ids + step, attention)
-            chain = [*chain, kv]
+        if step:
+            hidden, chain = regions.chain_pass(
+                drafter, hidden, step_ids(step), position_ids + step, past, chain, segments
+            )
         flat_hidden = hidden.reshape(flat, hidden.shape[-1])
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         hits = hidden.new_zeros((), dtype=torch.float32)
         for k in range(chunks):
             anchors, rows = index.anchors[step, k], index.target_rows[step, k]
-            weight = weights[step][anchors]  # (0 at the padding)
-            logits = drafter.logits(flat_hidden[anchors])
-            loss_sum = loss_sum + _SoftCrossEntropy.apply(logits, table, table_lse, rows, weight)
-            with torch.no_grad():
-                hits = hits + ((logits.argmax(-1) == table_argmax[rows]).float() * weight).sum()
+            if regions.mark_chunk_sizes:
+                torch._dynamo.mark_dynamic(anchors, 0)
+                torch._dynamo.mark_dynamic(rows, 0)
+            chunk_loss, chunk_hits = regions.chunk_terms(
+                drafter, flat_hidden, weights[step], anchors, rows, table, table_lse, table_argmax
+            )
+            loss_sum = loss_sum + chunk_loss
+            hits = hits + chunk_hits
         tokens = weights[step].sum()
         norm = tokens if step_tokens is None else step_tokens[step].to(tokens)
         total = total + (decay**step) * loss_sum / norm.clamp_min(1.0)

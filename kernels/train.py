@@ -14,8 +14,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +25,7 @@ from .compile_cache import cache_file, load_compiled, save_compiled
 from .data import StepShare, TrainingData
 from .distributed import sum_across_ranks, sum_gradients_across_ranks
 from .drafter import Eagle3Drafter
-from .objective import draft_target_head, sample_ttt_tokens, ttt_loss
+from .objective import compiled_regions, draft_target_head, sample_ttt_tokens, ttt_loss
 from .packing import collate_rows, pack_first_fit_decreasing, sample_length
 from .train_state import EpochTally, StepSums, TrainedCounts, TrainState, cpu_copy
 
@@ -228,7 +229,8 @@ class TrainingRun:
         compiled = cfg.compile is not False and device.type == "cuda"
         if compiled and cfg.compile_cache_dir is not None:
             load_compiled(cache_file(cfg.compile_cache_dir, device))
-        loss_fn: LossFn = cast(Any, torch.compile(ttt_loss, dynamic=False)) if compiled else ttt_loss
+        # Compiled by region (kernels/objective.py): three graphs reused across TTT steps and chunks.
+        loss_fn: LossFn = partial(ttt_loss, regions=compiled_regions()) if compiled else ttt_loss
         # Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens; packed rows all
         # to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly.
         fixed_shape: tuple[int | None, int | None] = (None, None)
@@ -247,11 +249,6 @@ class TrainingRun:
     def forward_backward(self, batch: Mapping[str, Tensor], step_tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One micro-batch: its loss and TTT terms; its backward pass adds its part of dL/dθ."""
         cfg = self.cfg
-        if "ttt_anchors" in batch:
-            # The number of counted positions per chunk differs from batch to batch: one compiled
-            # graph for all of them (kernels/counted.py keeps it >= 64, never a 0/1 specialisation).
-            torch._dynamo.mark_dynamic(batch["ttt_anchors"], 2)
-            torch._dynamo.mark_dynamic(batch["ttt_target_rows"], 2)
         with _autocast(self.device):
             loss, terms = self.loss_fn(
                 self.drafter, batch, self.head, cfg.ttt_length, cfg.step_decay, step_tokens
