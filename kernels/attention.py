@@ -113,10 +113,7 @@ class Chain(NamedTuple):
             keys = torch.cat([past_k, *(k for k, _ in chain)], dim=2)
             values = torch.cat([past_v, *(v for _, v in chain)], dim=2)
             return _flex_chain(q, keys, values, length, len(chain), scale, self.segments)
-        if self.segments is None:
-            visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        else:
-            visible = _segment_mask(self.segments, length, q.device)
+        visible = _past_visible(self.segments, length, q.device)
         return _chain_elementwise(q, past_k, past_v, chain, visible, scale)
 
 
@@ -216,6 +213,14 @@ def _segment_mask(segments: Tensor, length: int, device: torch.device) -> Tensor
     return same_sample & (positions[None, :] <= positions[:, None])
 
 
+def _past_visible(segments: Tensor | None, length: int, device: torch.device) -> Tensor:
+    """Which first-pass keys a chain step's queries see: causal [T, T], or with ``segments`` causal inside
+    each sample [B, 1, T, T]."""
+    if segments is None:
+        return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return _segment_mask(segments, length, device)
+
+
 def _dense_past(
     q: Tensor, keys: Tensor, values: Tensor, scale: float, segments: Tensor | None
 ) -> tuple[Tensor, Tensor]:
@@ -225,11 +230,8 @@ def _dense_past(
     kv_heads = keys.shape[1]
     q5 = q.view(batch, kv_heads, q_heads // kv_heads, length, -1)
     scores = torch.matmul(q5, keys.unsqueeze(2).transpose(-1, -2)).float() * scale
-    if segments is None:
-        visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    else:
-        visible = _segment_mask(segments, length, q.device).unsqueeze(2)
-    scores = scores.masked_fill(~visible, float("-inf"))
+    visible = _past_visible(segments, length, q.device)
+    scores = scores.masked_fill(~(visible.unsqueeze(2) if visible.dim() == 4 else visible), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(q.dtype), values.unsqueeze(2))
     return out.reshape(batch, q_heads, length, -1), lse.reshape(batch, q_heads, length)
