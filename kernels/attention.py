@@ -341,7 +341,7 @@ def _flex_past(
 ) -> tuple[Tensor, Tensor]:
     """`_dense_past` as one sparse FlexAttention call (CUDA, compiled): the blocks above the diagonal and
     between samples are skipped; returns the output and its log-sum-exp (natural log, fp32)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     length = q.shape[2]
     if segments is None:
@@ -359,7 +359,9 @@ def _flex_past(
             same_sample, B=segments.shape[0], H=None, Q_LEN=length, KV_LEN=length, device=q.device
         )
     gqa = keys.shape[1] != q.shape[1]
-    out, lse = flex_attention(
-        q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True
+    # return_aux, not the deprecated return_lse: the latter's one-time warning is a dynamo guard
+    # (flex_attention._WARNINGS_SHOWN) that recompiled the chain-pass graph once, on its second call.
+    out, aux = flex_attention(
+        q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
     )
-    return cast(Tensor, out), cast(Tensor, lse)
+    return cast(Tensor, out), cast(Tensor, aux.lse)

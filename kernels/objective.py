@@ -193,6 +193,8 @@ class LossRegions:
     new_chain: Callable[[KVPair, int], ChainState]  # (step 0's keys, T - 1) -> the empty chain
     # Dynamic sizes marked before each chunk call (compiled: one graph for every count of positions).
     mark_chunk_sizes: bool = False
+    # Under autocast, the weights every step reuses cast to its dtype once per batch (`_shared_casts`).
+    cast_shared_weights: bool = False
 
 
 EAGER_REGIONS = LossRegions(_first_pass, _listed_chain_pass, _chunk_terms, lambda _past, _slots: ())
@@ -207,7 +209,41 @@ def compiled_regions() -> LossRegions:
         cast(Any, torch.compile(_chunk_terms, dynamic=False)),
         ChainSlots.empty,
         mark_chunk_sizes=True,
+        cast_shared_weights=True,
     )
+
+
+def _shared_casts(drafter: Eagle3Drafter) -> dict[str, Tensor]:
+    """The decoder layer's and the lm_head's linear weights in the autocast dtype (none outside autocast).
+
+    Autocast casts a weight at every use: each of the T steps (and each chunk, for the lm_head) cast
+    every fp32 weight again and, backward, added its gradient into the fp32 ``.grad`` once per call; an
+    H100 profile put these casts and adds at ~13% of a step. Cast once here instead, the copies are
+    autograd nodes: the steps' gradients meet in the copy, and reach the fp32 leaf once. Norm weights
+    stay fp32 (autocast leaves the norms in fp32 either way)."""
+    device_type = drafter.fc.weight.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return {}
+    dtype = torch.get_autocast_dtype(device_type)
+    casts: dict[str, Tensor] = {}
+    for prefix, owner in (("midlayer", drafter.midlayer), ("lm_head", drafter.lm_head)):
+        for name, module in owner.named_modules(prefix=prefix):
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype != dtype:
+                casts[f"{name}.weight"] = module.weight.to(dtype)
+    return casts
+
+
+class _WithCasts(torch.nn.Module):
+    """Runs ``body`` with the drafter's weights swapped for :func:`_shared_casts`'s copies (through
+    torch.func.functional_call, which restores the parameters however the body ends)."""
+
+    def __init__(self, drafter: Eagle3Drafter, body: Callable[[], tuple[Tensor, Tensor]]) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.body = body
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return self.body()
 
 
 def ttt_loss(
@@ -233,6 +269,26 @@ def ttt_loss(
     target's and the cross-entropy only at counted positions (kernels/counted.py), in chunks.
     ``regions``: eager pieces (the default) or :func:`compiled_regions`.
     """
+    casts = _shared_casts(drafter) if regions.cast_shared_weights else {}
+    if casts:
+
+        def body() -> tuple[Tensor, Tensor]:
+            return _ttt_loss(drafter, batch, target_head_draft, ttt_length, decay, step_tokens, regions)
+
+        named = {f"drafter.{name}": tensor for name, tensor in casts.items()}
+        return cast(tuple[Tensor, Tensor], torch.func.functional_call(_WithCasts(drafter, body), named, ()))
+    return _ttt_loss(drafter, batch, target_head_draft, ttt_length, decay, step_tokens, regions)
+
+
+def _ttt_loss(
+    drafter: Eagle3Drafter,
+    batch: Mapping[str, Tensor],
+    target_head_draft: Tensor,
+    ttt_length: int,
+    decay: float,
+    step_tokens: Tensor | None,
+    regions: LossRegions,
+) -> tuple[Tensor, Tensor]:
     input_ids = batch["input_ids"]
     bsz, length = input_ids.shape
     flat = bsz * length

@@ -5,6 +5,8 @@ three graphs for every TTT step, chunk and count of positions (no recompilation)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_drafter import inputs, make_drafter
@@ -13,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from draftloop.kernels.attention import Chain, ChainSlots, KVPair, SlottedChain
 from draftloop.kernels.objective import (
+    EAGER_REGIONS,
     LossRegions,
     _chunk_terms,
     _first_pass,
@@ -95,6 +98,40 @@ def test_the_slotted_loss_equals_the_listed_loss_and_its_gradients(variant: str)
         assert grads.keys() == want_grads.keys()
         for param, grad in grads.items():
             torch.testing.assert_close(grad, want_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name}: {param}")
+
+
+def test_weights_cast_once_per_batch_give_the_autocast_loss_and_its_gradients() -> None:
+    """Under bf16 autocast, the decoder layer's and lm_head's weights cast once per batch: the same
+    loss (autocast cast the same weights at every use), the gradients up to bf16 summation, on the
+    fp32 parameters, which are left in place."""
+    drafter, head = drafter_for("eagle3")
+    seen: list[torch.dtype] = []
+    hook = drafter.midlayer.mlp.gate_proj.register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
+    casting = replace(EAGER_REGIONS, cast_shared_weights=True)
+    try:
+        for name, batch in batches().items():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want_loss, want_terms, want_grads = loss_and_grads(ttt_loss, drafter, batch, head)
+                assert set(seen) == {torch.float32}, "autocast alone: the layer sees its fp32 weight"
+                seen.clear()
+
+                def casted(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+                    return ttt_loss(*args, regions=casting)  # type: ignore[arg-type]
+
+                loss, terms, grads = loss_and_grads(casted, drafter, batch, head)
+            assert seen and set(seen) == {torch.bfloat16}, f"{name}: every step sees the bf16 copy"
+            seen.clear()
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6, msg=f"{name}: loss")
+            torch.testing.assert_close(terms, want_terms, rtol=1e-6, atol=1e-6, msg=f"{name}: terms")
+            assert grads.keys() == want_grads.keys() and "lm_head.weight" in grads
+            for param, grad in grads.items():
+                assert grad.dtype == torch.float32, param
+                scale = want_grads[param].abs().max().item()
+                torch.testing.assert_close(grad, want_grads[param], rtol=0, atol=2e-2 * scale, msg=param)
+    finally:
+        hook.remove()
+    weight = drafter.midlayer.mlp.gate_proj.weight
+    assert isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.float32
 
 
 @pytest.mark.slow
