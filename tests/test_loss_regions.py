@@ -159,3 +159,32 @@ def test_compiled_regions_build_three_graphs_for_every_step_chunk_and_count() ->
             torch.testing.assert_close(grad, want_grads[param], rtol=1e-3, atol=1e-5, msg=param)
     assert len(per_chunk) > 1, "the batches should differ in their count of positions"
     assert counters["stats"]["unique_graphs"] == 3
+
+
+@pytest.mark.slow
+def test_compiled_regions_under_autocast_reuse_their_graphs_with_each_batchs_weight_copies() -> None:
+    """Under bf16 autocast the compiled regions read the weights cast once per batch, new tensors every
+    batch: the graphs' guards hold (three graphs for all batches), and the loss is the eager autocast
+    loss's (which casts at every use)."""
+    torch._dynamo.reset()
+    counters.clear()
+    drafter, head = drafter_for("eagle3")
+    regions = compiled_regions()
+    assert regions.cast_shared_weights
+
+    def compiled(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return ttt_loss(*args, regions=regions)  # type: ignore[arg-type]
+
+    for count, seed in ((2, 11), (10, 12)):
+        batch = collate_rows(
+            [multi_turn_samples(count, seed=seed)], "cpu", None, None, 1024, packed=True, ttt_length=TTT
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want_loss, _, want_grads = loss_and_grads(ttt_loss, drafter, batch, head)
+            loss, _, grads = loss_and_grads(compiled, drafter, batch, head)
+        torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=1e-3)
+        for param, grad in grads.items():
+            assert grad.dtype == torch.float32, param
+            rel = float((grad - want_grads[param]).norm() / want_grads[param].norm().clamp_min(1e-12))
+            assert rel < 5e-2, f"{param}: relative difference {rel:.2e}"
+    assert counters["stats"]["unique_graphs"] == 3
