@@ -518,8 +518,13 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft-vocabulary logits [.., Vd] of a pass's handed-on state: lm_head(norm(prenorm)) for every
-        variant (the variant says how to get norm(prenorm) from what it hands on; EAGLE-3: norm(h))."""
-        return self.lm_head(self.variant.logits_input(self, hidden))
+        variant."""
+        return self.lm_head(self.head_input(hidden))
+
+    def head_input(self, hidden: Tensor) -> Tensor:
+        """What lm_head reads, norm(prenorm), from a pass's handed-on state (the variant says how; EAGLE-3:
+        norm(h))."""
+        return self.variant.logits_input(self, hidden)
 
     def weights_state_dict(self) -> dict[str, Tensor]:
         """The tensors a checkpoint holds (no embedding), contiguous, keyed by native names."""

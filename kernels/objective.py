@@ -91,28 +91,49 @@ def batch_counted_index(batch: Mapping[str, Tensor], ttt_length: int) -> Counted
     return counted_index(ttt_weights(batch, ttt_length))
 
 
-class _SoftCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * (logsumexp(z_i) - sum_v p_iv z_iv) over one chunk of counted positions, p_i =
-    softmax(target logits of row ``rows[i]`` of the target table). Saves the logits in their own dtype
-    (bf16 under autocast) and the shared table, not the fp32 softmaxes: backward rebuilds
-    softmax(z) - p one chunk at a time, so no [tokens, vocab] fp32 tensor outlives its chunk."""
+class _HeadCrossEntropy(torch.autograd.Function):
+    """One chunk of counted positions through the head: logits z = x W^T, the weighted soft cross-entropy
+    sum_i w_i (logsumexp(z_i) - sum_v p_iv z_iv) against p_i = softmax(row ``rows[i]`` of the target table),
+    and the weighted count of argmax hits.
+
+    The loss's gradient dL/dz_i = w_i (softmax(z_i) - p_i) is computed here, by the pass that reads z for
+    the loss, and kept in z's dtype (bf16 under autocast) instead of z: backward is then the head's matmuls
+    alone, scaled by the incoming scalar on their outputs. No second pass over [n, Vd] rebuilds the
+    softmax, and no [n, Vd] fp32 tensor outlives this call."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: Tensor, table: Tensor, table_lse: Tensor, rows: Tensor, weight: Tensor
-    ) -> Tensor:
+        ctx: Any,
+        x: Tensor,
+        head: Tensor,
+        table: Tensor,
+        table_lse: Tensor,
+        table_argmax: Tensor,
+        rows: Tensor,
+        weight: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        logits = F.linear(x, head)  # (autocast applies here: bf16 logits)
         z = logits.float()
-        probs = torch.exp(table[rows].float() - table_lse[rows, None])
         lse = torch.logsumexp(z, dim=-1)
-        ctx.save_for_backward(logits, table, table_lse, rows, weight, lse)
-        return ((lse - (probs * z).sum(-1)) * weight).sum()
+        probs = torch.exp(table[rows].float() - table_lse[rows, None])
+        loss_sum = ((lse - (probs * z).sum(-1)) * weight).sum()
+        dz = ((torch.exp(z - lse[:, None]) - probs) * weight[:, None]).to(logits.dtype)
+        hits = ((logits.argmax(-1) == table_argmax[rows]).float() * weight).sum()
+        ctx.mark_non_differentiable(hits)
+        # x only for the head's own gradient (a frozen head gets none).
+        ctx.save_for_backward(dz, head, x if ctx.needs_input_grad[1] else None)
+        ctx.x_dtype = x.dtype
+        return loss_sum, hits
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        logits, table, table_lse, rows, weight, lse = ctx.saved_tensors
-        probs = torch.exp(table[rows].float() - table_lse[rows, None])
-        dz = (torch.exp(logits.float() - lse[:, None]) - probs) * (weight * grad)[:, None]
-        return dz.to(logits.dtype), None, None, None, None
+    def backward(ctx: Any, grad: Tensor, _hits_grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        dz, head, x = ctx.saved_tensors
+        grad_x = grad_head = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (torch.matmul(dz, head.to(dz.dtype)).float() * grad).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_head = (torch.matmul(dz.t(), x.to(dz.dtype)).float() * grad).to(head.dtype)
+        return grad_x, grad_head, None, None, None, None, None
 
 
 # The loss's three pieces. Eagerly each is called as is; compiled (`compiled_regions`) each is its own
@@ -163,6 +184,14 @@ def _slotted_chain_pass(
     return hidden, slots.with_step(kv)
 
 
+def _target_table(last: Tensor, head: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk of the target table: the target's draft-vocabulary logits at ``positions`` of the flat
+    final states ``last``, in the matmul's dtype (bf16 under autocast), their logsumexp and argmax (one
+    read of the logits when compiled; eagerly an fp32 copy and a kernel per reduction step)."""
+    logits = torch.matmul(last[positions], head.t())
+    return logits, torch.logsumexp(logits.float(), dim=-1), logits.argmax(-1)
+
+
 def _chunk_terms(
     drafter: Eagle3Drafter,
     flat_hidden: Tensor,
@@ -176,11 +205,11 @@ def _chunk_terms(
     """One chunk of one step: the weighted soft cross-entropy sum at its counted ``anchors`` (targets:
     ``rows`` of the table) and the weighted count of argmax hits."""
     weight = step_weights[anchors]  # (0 at the padding)
-    logits = drafter.logits(flat_hidden[anchors])
-    loss_sum = _SoftCrossEntropy.apply(logits, table, table_lse, rows, weight)
-    with torch.no_grad():
-        hits = ((logits.argmax(-1) == table_argmax[rows]).float() * weight).sum()
-    return loss_sum, hits
+    x = drafter.head_input(flat_hidden[anchors])
+    return cast(
+        tuple[Tensor, Tensor],
+        _HeadCrossEntropy.apply(x, drafter.lm_head.weight, table, table_lse, table_argmax, rows, weight),
+    )
 
 
 @dataclass(frozen=True)
@@ -191,6 +220,7 @@ class LossRegions:
     chain_pass: Callable[..., tuple[Tensor, ChainState]]
     chunk_terms: Callable[..., tuple[Tensor, Tensor]]
     new_chain: Callable[[KVPair, int], ChainState]  # (step 0's keys, T - 1) -> the empty chain
+    target_table: Callable[..., tuple[Tensor, Tensor, Tensor]] = _target_table
     # Dynamic sizes marked before each chunk call (compiled: one graph for every count of positions).
     mark_chunk_sizes: bool = False
     # Under autocast, the weights every step reuses cast to its dtype once per batch (`_shared_casts`).
@@ -202,12 +232,14 @@ EAGER_REGIONS = LossRegions(_first_pass, _listed_chain_pass, _chunk_terms, lambd
 
 def compiled_regions() -> LossRegions:
     """The pieces each torch.compile'd on its own (shapes static except a chunk's count of positions):
-    three graphs and their backward passes per row shape, instead of one 7-step unroll."""
+    three graphs and their backward passes per row shape, and the target table's (no backward), instead
+    of one 7-step unroll."""
     return LossRegions(
         cast(Any, torch.compile(_first_pass, dynamic=False)),
         cast(Any, torch.compile(_slotted_chain_pass, dynamic=False)),
         cast(Any, torch.compile(_chunk_terms, dynamic=False)),
         ChainSlots.empty,
+        cast(Any, torch.compile(_target_table, dynamic=False)),
         mark_chunk_sizes=True,
         cast_shared_weights=True,
     )
@@ -302,11 +334,15 @@ def _ttt_loss(
         # matmul's dtype (bf16 under autocast, as the logits were before), their logsumexp and argmax.
         last = batch["last_hidden"].reshape(flat, -1).to(target_head_draft.dtype)
         table_positions = (index.anchors[0] + 1).clamp_max(flat - 1)  # (padding: any in-range row)
-        table_parts = [torch.matmul(last[table_positions[k]], target_head_draft.t()) for k in range(chunks)]
-        table_lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in table_parts])
-        table_argmax = torch.cat([part.argmax(-1) for part in table_parts])
-        table = table_parts[0] if chunks == 1 else torch.cat(table_parts)
-        del table_parts
+        parts = []
+        for positions in table_positions:
+            if regions.mark_chunk_sizes:
+                torch._dynamo.mark_dynamic(positions, 0)
+            parts.append(regions.target_table(last, target_head_draft, positions))
+        table, table_lse, table_argmax = (
+            part[0] if chunks == 1 else torch.cat(part) for part in zip(*parts, strict=True)
+        )
+        del parts
         # Padded once so that every step reads a shifted view. Where the shift reaches past a sample's
         # end the anchor is not counted, and its outputs reach no counted position (own chain only; its
         # step-0 key is visible only to itself).

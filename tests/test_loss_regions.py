@@ -1,7 +1,7 @@
 """The TTT loss compiled by region (kernels/objective.py `compiled_regions`): the chain kept in fixed-size
 slots (`SlottedChain`) attends exactly as the listed chain (`Chain`) does, for GQA and MLA drafters, packed
-and unpacked rows; the loss and its gradients are the eager loss's; and compiled, the three regions are
-three graphs for every TTT step, chunk and count of positions (no recompilation)."""
+and unpacked rows; the loss and its gradients are the eager loss's; and compiled, the four regions are
+four graphs for every TTT step, chunk and count of positions (no recompilation)."""
 
 from __future__ import annotations
 
@@ -135,9 +135,10 @@ def test_weights_cast_once_per_batch_give_the_autocast_loss_and_its_gradients() 
 
 
 @pytest.mark.slow
-def test_compiled_regions_build_three_graphs_for_every_step_chunk_and_count() -> None:
+def test_compiled_regions_build_four_graphs_for_every_step_chunk_and_count() -> None:
     """Compiled on the CPU (the chain's past attention dense there, FlexAttention on CUDA): batches of
-    one row shape whose counted positions differ reuse the first batch's three graphs."""
+    one row shape whose counted positions differ reuse the first batch's four graphs (first pass, chain
+    pass, chunk terms, target table)."""
     torch._dynamo.reset()
     counters.clear()
     drafter, head = drafter_for("eagle3")
@@ -158,13 +159,13 @@ def test_compiled_regions_build_three_graphs_for_every_step_chunk_and_count() ->
         for param, grad in grads.items():
             torch.testing.assert_close(grad, want_grads[param], rtol=1e-3, atol=1e-5, msg=param)
     assert len(per_chunk) > 1, "the batches should differ in their count of positions"
-    assert counters["stats"]["unique_graphs"] == 3
+    assert counters["stats"]["unique_graphs"] == 4
 
 
 @pytest.mark.slow
 def test_compiled_regions_under_autocast_reuse_their_graphs_with_each_batchs_weight_copies() -> None:
     """Under bf16 autocast the compiled regions read the weights cast once per batch, new tensors every
-    batch: the graphs' guards hold (three graphs for all batches), and the loss is the eager autocast
+    batch: the graphs' guards hold (four graphs for all batches), and the loss is the eager autocast
     loss's (which casts at every use)."""
     torch._dynamo.reset()
     counters.clear()
@@ -187,4 +188,4 @@ def test_compiled_regions_under_autocast_reuse_their_graphs_with_each_batchs_wei
             assert grad.dtype == torch.float32, param
             rel = float((grad - want_grads[param]).norm() / want_grads[param].norm().clamp_min(1e-12))
             assert rel < 5e-2, f"{param}: relative difference {rel:.2e}"
-    assert counters["stats"]["unique_graphs"] == 3
+    assert counters["stats"]["unique_graphs"] == 4
