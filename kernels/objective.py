@@ -136,9 +136,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return grad_x, grad_head, None, None, None, None, None
 
 
-# The loss's three pieces. Eagerly each is called as is; compiled (`compiled_regions`) each is its own
+# The loss's four pieces. Eagerly each is called as is; compiled (`compiled_regions`) each is its own
 # graph, reused: the first pass once a batch, the chain pass for steps 1..T-1, the chunk terms for every
-# chunk of every step. One unrolled 7-step graph took ~5 min to compile at the Llama-3.1-8B shape.
+# chunk of every step, the target table for every chunk of a batch. One unrolled 7-step graph took ~5 min
+# to compile at the Llama-3.1-8B shape.
 
 
 def _first_pass(
