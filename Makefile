@@ -49,8 +49,9 @@ installs:
 	@$(MAKE) --no-print-directory -j3 setup engine-env browser
 	@$(MAKE) --no-print-directory -j2 peer-libs lint
 
+# Two workers: one core waits on servers while the other computes (tests/conftest.py groups the tests).
 test: installs
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf .draftloop
