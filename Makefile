@@ -51,7 +51,7 @@ installs:
 
 # Two workers: one core waits on servers while the other computes (tests/conftest.py groups the tests).
 test: installs
-	$(VENV)/bin/python -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -n 2 --dist loadscope $(PYTEST_ARGS)
 
 clean:
 	rm -rf .draftloop

@@ -23,16 +23,18 @@ from torch import Tensor
 
 __all__ = ["CHUNK_TOKENS", "INDEX_MULTIPLE", "MAX_CHUNKS", "CountedIndex", "counted_index", "counted_mask"]
 
-# Counted positions per chunk of the loss head at most (in rows of up to MAX_CHUNKS x this): bounds the
-# fp32 [chunk, draft vocab] tensors the soft cross-entropy works on (1,024 x 32k x 4 B = 128 MiB) while
-# each chunk's [chunk, H] x [H, Vd] matmul stays large enough to run at full speed.
-CHUNK_TOKENS = 1024
+# Counted positions per chunk of the loss head at most (in rows of up to MAX_CHUNKS x this). Large, so that
+# the head's [chunk, H] x [H, Vd] matmuls run near the peak: at H 4096, Vd 32k on an H100 its matmuls
+# took 20.6 ms per 16,384 positions in chunks of 1,024 and 18.2 ms in chunks of 4,096, the whole loss
+# head 25.3 and 22.7 ms (bench/bench_head_chunks.py). Compiled, the soft cross-entropy is one fused pass
+# that keeps no fp32 [chunk, Vd] tensor; eagerly a chunk's fp32 temporaries are 4,096 x 32k x 4 B = 512
+# MiB each.
+CHUNK_TOKENS = 4096
 # Chunks per TTT step at most. The compiled loss unrolls its chunk loop (one matmul and soft
 # cross-entropy, forward and backward, per chunk and step), so its compile time grows with the chunk
-# count: 4 chunks a step at 4,096-token rows, 32 at 32,768 (cold compiles of ~310 s at 4k, ~410 s at 8k,
-# none within 580 s at 32k on an H200). Past 4 chunks the chunks grow instead: a 32,768-token row's
-# chunks are <= 8,192 positions (fp32 [8192, 32k] = 1 GiB beside tens of GiB of activations), and
-# every row length compiles a graph of the same size.
+# count (with chunks of 1,024 positions and no cap, none within 580 s at 32k tokens on an H200). Past
+# 4 chunks the chunks grow instead: a 32,768-token row's chunks are <= 8,192 positions (fp32 [8192, 32k]
+# = 1 GiB beside tens of GiB of activations), and every row length compiles a graph of the same size.
 MAX_CHUNKS = 4
 # Chunk sizes are rounded up to this: never 0 or 1 (torch.compile would specialise on them), and the
 # padding (at most 63 positions of weight 0 per chunk) is noise next to the counted positions.

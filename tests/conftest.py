@@ -3,6 +3,7 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,30 +17,56 @@ from fixtures_engine import tiny_stablelm_dir  # noqa: E402, F401
 from fixtures_flow import first_cycle, flow_env  # noqa: E402, F401
 from fixtures_kernels import trained_pair, zoo_target_dir  # noqa: E402, F401
 
-# `make test` runs the suite on two xdist workers (-n 2 --dist loadgroup): each group below runs whole on
-# one worker, so a session fixture is built once and tests that start `draftloop up` services never
-# overlap. A file is one group at least (its module fixtures are built once).
-_GROUP_OF_FIXTURE = {"flow_env": "flow", "first_cycle": "flow"}
-_GROUP_OF_FIXTURE |= {"trained_pair": "zoo", "zoo_target_dir": "zoo"}
-# Files that start `draftloop up` (Prefect, its worker, MLflow) run beside the flow tests, one at a time.
-_FLOW_FILES = {"test_browser.py", "test_cycle_run.py", "test_flow_cluster.py", "test_flow_form.py"}
-_FLOW_FILES |= {"test_services_up.py", "test_status_cmd.py"}
+# `make test` runs the suite on two xdist workers (-n 2 --dist loadscope, with the scheduler below): each
+# test file is one unit of work, and the files that share a session fixture too costly to build twice are
+# one unit together, on one worker. The two shared units start first: they are the longest.
+_UNIT_OF_SHARED_FIXTURE = {"first_cycle": "first-cycle", "trained_pair": "zoo", "zoo_target_dir": "zoo"}
+_FIRST_CYCLE_FILES = ["test_browser.py", "test_faults.py", "test_flow.py", "test_refresh.py"]
+_FIRST_CYCLE_FILES += ["test_stage_seam.py", "test_sweep.py"]
+_ZOO_FILES = ["test_acceptance_training.py", "test_checkpoint_errors.py", "test_contract_up_front.py"]
+_ZOO_FILES += ["test_data_input.py", "test_diagnose_cli.py", "test_drafter_contract.py", "test_eagle31.py"]
+_ZOO_FILES += ["test_engine_extraction.py", "test_engine_synthesis.py", "test_engine_vllm.py"]
+_ZOO_FILES += ["test_evaluation_benchmark.py", "test_evaluation_reproducible.py", "test_evaluation_run.py"]
+_ZOO_FILES += ["test_evaluation_simulator.py", "test_extract_actors.py", "test_generic_engine.py"]
+_ZOO_FILES += ["test_online_training.py", "test_prompt_selection.py", "test_simulate.py"]
+_ZOO_FILES += ["test_train_variant.py", "test_trust_remote_code.py"]
+_UNIT_OF_FILE = {name: "first-cycle" for name in _FIRST_CYCLE_FILES} | {name: "zoo" for name in _ZOO_FILES}
 
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
-    # Each worker's local Ray instances keep their sessions apart (RAY_TMPDIR is the driver's default).
+    # Each worker's local Ray instances keep their session folders apart (RAY_TMPDIR: the driver's default).
     os.environ.setdefault("RAY_TMPDIR", f"/tmp/draftloop-ray-{worker}")
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadscope: units of work by file and shared fixture (`_UNIT_OF_FILE`), the shared ones first."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _UNIT_OF_FILE.get(Path(path).name, path)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            for unit in ("zoo", "first-cycle"):
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return SharedFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its file's xdist group (read before xdist names the work units)."""
-    groups_in_file: dict[str, set[str]] = {}
+    """On an xdist worker: every file that uses a shared session fixture is in that fixture's unit (else
+    the fixture would be built on both workers, or a unit's order would differ from a serial run's)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     for item in items:
-        found = groups_in_file.setdefault(item.path.name, set())
-        found |= {_GROUP_OF_FIXTURE[name] for name in item.fixturenames if name in _GROUP_OF_FIXTURE}
-        if item.path.name in _FLOW_FILES:
-            found.add("flow")
-    for item in items:
-        found = groups_in_file[item.path.name]
-        group = "flow" if "flow" in found else "zoo" if "zoo" in found else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+        for name in item.fixturenames:
+            unit = _UNIT_OF_SHARED_FIXTURE.get(name)
+            if unit is not None and _UNIT_OF_FILE.get(item.path.name) != unit:
+                raise pytest.UsageError(
+                    f"{item.path.name} uses the session fixture {name}: list it in tests/conftest.py as "
+                    f"one of the {unit!r} unit's files"
+                )
