@@ -183,6 +183,33 @@ def test_the_engines_eagle3_support_is_read_from_its_source(fake_vllm: Path) -> 
     assert support("NoSuchForCausalLM")[0] == "unknown"  # not refused: vLLM may still load it
 
 
+def test_a_spurious_ast_system_error_is_parsed_again(
+    fake_vllm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPython 3.11's "AST constructor recursion depth mismatch" (another thread parsing at the same time)
+    once failed a flow run's config check: the engine's source is read once more, not refused."""
+    import ast
+
+    from draftloop.infra.engines import class_support
+
+    real_parse, calls = ast.parse, []
+
+    def flaky_parse(source: str, *args: Any, **kwargs: Any) -> ast.Module:
+        calls.append(source)
+        if len(calls) == 1:  # (the registry, the first source read)
+            raise SystemError("AST constructor recursion depth mismatch (before=63, after=95)")
+        return real_parse(source, *args, **kwargs)
+
+    class_support.vllm_registry.cache_clear()
+    class_support._parsed.cache_clear()
+    monkeypatch.setattr(class_support.ast, "parse", flaky_parse)
+    found = vllm_class_support(fake_vllm, ["NativeForCausalLM"], False)
+    assert (found.support, found.engine_class) == ("native", "native.NativeForCausalLM")
+    assert len(calls) >= 3  # the registry twice (the retry), then the class's module
+    class_support.vllm_registry.cache_clear()
+    class_support._parsed.cache_clear()
+
+
 def test_the_installed_vllm_serves_the_zoo_families_with_eagle3() -> None:
     require_vllm_env()
     (site,) = (REPO / ".venvs" / "vllm" / "lib").glob("python3*/site-packages/vllm")

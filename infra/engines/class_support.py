@@ -112,7 +112,7 @@ def vllm_registry(path: Path) -> dict[str, tuple[str, str]]:
     tables (later tables win)."""
     tables: dict[str, dict[str, tuple[str, str]]] = {}
     order: list[str] = []
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    for node in _parse(path.read_text(encoding="utf-8")).body:
         target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
         if isinstance(node, ast.AnnAssign):
             target = node.target
@@ -146,9 +146,19 @@ def vllm_module_path(vllm_dir: Path, module: str) -> Path:
 @lru_cache(maxsize=256)
 def _parsed(path: Path) -> ast.Module | None:
     try:
-        return ast.parse(path.read_text(encoding="utf-8"))
+        return _parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
         return None
+
+
+def _parse(source: str) -> ast.Module:
+    """ast.parse, once more after a spurious SystemError: CPython 3.11 can raise "AST constructor recursion
+    depth mismatch" (CPython gh-106905) when another thread of the process builds an AST at the same time
+    (seen once in a Prefect worker's flow run, on 3.11.7); the source itself is fine."""
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
 
 
 def _implements(vllm_dir: Path, path: Path, class_name: str, interface: str, depth: int) -> bool | None:
