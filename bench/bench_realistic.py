@@ -129,6 +129,7 @@ def draftloop_run(
         lr=1e-4,
         compile=args.compile,
         pack_tokens=args.pack_tokens,
+        rows_per_micro_batch=args.rows_per_micro_batch,
         show_progress=False,
         train_lm_head=args.train_lm_head,
         compile_cache_dir=args.compile_cache_dir,
@@ -337,6 +338,7 @@ def main() -> None:
     )
     parser.add_argument("--drafter", default="eagle3", help="the drafter variant (eagle3, eagle3.1)")
     parser.add_argument("--pack-tokens", type=int, default=4096)
+    parser.add_argument("--rows-per-micro-batch", type=int, default=TrainConfig.rows_per_micro_batch)
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument(
         "--prompt-fraction",

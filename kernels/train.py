@@ -71,9 +71,10 @@ class TrainConfig:
     # loaded before the first step and written after it. None: torch's per-machine caches only.
     compile_cache_dir: str | None = None
     pad_multiple: int = 512
-    # Pack samples into rows of at most this many tokens (first-fit decreasing); each micro-batch is one
-    # packed row. None: one sample per row.
+    # Pack samples into rows of at most this many tokens (first-fit decreasing); each micro-batch holds
+    # rows_per_micro_batch packed rows (the step's last one may hold fewer). None: one sample per row.
     pack_tokens: int | None = None
+    rows_per_micro_batch: int = 1
     # Hand a resume state to on_checkpoint every this many optimizer steps (and after every epoch).
     checkpoint_every_steps: int | None = None
     # The next three defaults (and a fresh drafter's final norm starting at ones) are speculators' way:
@@ -99,6 +100,7 @@ class TrainConfig:
             "warmup_ratio": 0 <= self.warmup_ratio < 1,
             "step_decay": 0 < self.step_decay <= 1,
             "pack_tokens": self.pack_tokens is None or self.pack_tokens >= 1,
+            "rows_per_micro_batch": self.rows_per_micro_batch >= 1,
             "checkpoint_every_steps": self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
             "adam_betas": all(0 <= beta < 1 for beta in self.adam_betas),
             "lr_schedule": self.lr_schedule in LR_SCHEDULES,
@@ -168,13 +170,15 @@ def _micro_batch_rows(
     samples: Sequence[Mapping[str, Tensor]], cfg: TrainConfig
 ) -> list[list[list[Mapping[str, Tensor]]]]:
     """This rank's samples of one step as micro-batches of rows: batch_size one-sample rows, or one
-    packed row of at most pack_tokens tokens each."""
+    rows_per_micro_batch packed rows of at most pack_tokens tokens each."""
     if cfg.pack_tokens is None:
         return [
             [[s] for s in samples[i : i + cfg.batch_size]] for i in range(0, len(samples), cfg.batch_size)
         ]
     lengths = [sample_length(s, cfg.max_length) for s in samples]
-    return [[[samples[i] for i in row]] for row in pack_first_fit_decreasing(lengths, cfg.pack_tokens)]
+    rows = [[samples[i] for i in row] for row in pack_first_fit_decreasing(lengths, cfg.pack_tokens)]
+    per = cfg.rows_per_micro_batch
+    return [rows[i : i + per] for i in range(0, len(rows), per)]
 
 
 def _copied_ahead(

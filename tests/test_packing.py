@@ -85,6 +85,14 @@ def test_packed_training_equals_unpacked_training() -> None:
     plain = train_drafter(unpacked, InMemorySamples(samples), lm_head, TrainConfig(**base))
     rows = train_drafter(packed, InMemorySamples(samples), lm_head, TrainConfig(**base, pack_tokens=40))
     assert [h["tokens"] for h in rows.history] == [h["tokens"] for h in plain.history]
+    # Two packed rows a micro-batch (a step's last may hold one): the same step, summed differently.
+    paired = new_drafter(embed)
+    two = train_drafter(
+        paired, InMemorySamples(samples), lm_head, TrainConfig(**base, pack_tokens=40, rows_per_micro_batch=2)
+    )
+    assert [h["loss"] for h in two.history] == pytest.approx([h["loss"] for h in rows.history], rel=1e-4)
+    for name, tensor in packed.state_dict().items():
+        torch.testing.assert_close(paired.state_dict()[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     assert [h["loss"] for h in rows.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-4)
     for name, tensor in unpacked.state_dict().items():
         torch.testing.assert_close(packed.state_dict()[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -174,8 +174,10 @@ class TrainingConfig(_Section):
     # batch_size * grad_accum samples per step, all workers together
     grad_accum: int = Field(default=TrainConfig.grad_accum, ge=1)
     seed: int = TrainConfig.seed
-    # Pack samples into rows of at most this many tokens (one row per micro-batch); null = one per row.
+    # Pack samples into rows of at most this many tokens; null = one sample per row.
     pack_tokens: int | None = Field(default=TrainConfig.pack_tokens, ge=1)
+    # Packed rows per micro-batch (more: larger matmuls and fewer launches, for more GPU memory).
+    rows_per_micro_batch: int = Field(default=TrainConfig.rows_per_micro_batch, ge=1)
     # null = after every epoch only
     checkpoint_every_steps: int | None = Field(default=TrainConfig.checkpoint_every_steps, ge=1)
     # false: the drafter's lm_head stays the target's rows (no gradient).
