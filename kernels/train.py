@@ -172,12 +172,11 @@ def _micro_batch_rows(
     """This rank's samples of one step as micro-batches of rows: batch_size one-sample rows, or one
     rows_per_micro_batch packed rows of at most pack_tokens tokens each."""
     if cfg.pack_tokens is None:
-        return [
-            [[s] for s in samples[i : i + cfg.batch_size]] for i in range(0, len(samples), cfg.batch_size)
-        ]
-    lengths = [sample_length(s, cfg.max_length) for s in samples]
-    rows = [[samples[i] for i in row] for row in pack_first_fit_decreasing(lengths, cfg.pack_tokens)]
-    per = cfg.rows_per_micro_batch
+        rows, per = [[s] for s in samples], cfg.batch_size
+    else:
+        lengths = [sample_length(s, cfg.max_length) for s in samples]
+        rows = [[samples[i] for i in row] for row in pack_first_fit_decreasing(lengths, cfg.pack_tokens)]
+        per = cfg.rows_per_micro_batch
     return [rows[i : i + per] for i in range(0, len(rows), per)]
 
 
