@@ -231,6 +231,14 @@ class LossRegions:
 EAGER_REGIONS = LossRegions(_first_pass, _listed_chain_pass, _chunk_terms, lambda _past, _slots: ())
 
 
+# Inductor's mix-order reduction (the norm's backward: its row and column sums in one kernel) decides by
+# the chunk's size whether to fuse, and guards on that decision: on an H100 (torch 2.11) the chunk terms
+# first compiled at 4,096 positions held for 1,280..8,191 only (nrow x 4,096 >= 5 MiB elements), so a
+# smaller or larger chunk compiled again. Off for this region, one graph serves every count; the unfused
+# sums read the chunk's [n, H] gradient once more (bench/RESULTS.md, 2026-12-07 third call).
+CHUNK_TERMS_INDUCTOR: dict[str, Any] = {"triton.mix_order_reduction": False}
+
+
 def compiled_regions() -> LossRegions:
     """The pieces each torch.compile'd on its own (shapes static except a chunk's count of positions):
     three graphs and their backward passes per row shape, and the target table's (no backward), instead
@@ -238,7 +246,7 @@ def compiled_regions() -> LossRegions:
     return LossRegions(
         cast(Any, torch.compile(_first_pass, dynamic=False)),
         cast(Any, torch.compile(_slotted_chain_pass, dynamic=False)),
-        cast(Any, torch.compile(_chunk_terms, dynamic=False)),
+        cast(Any, torch.compile(_chunk_terms, dynamic=False, options=CHUNK_TERMS_INDUCTOR)),
         ChainSlots.empty,
         cast(Any, torch.compile(_target_table, dynamic=False)),
         mark_chunk_sizes=True,

@@ -261,12 +261,14 @@ class TrainingRun:
         # Compiled by region (kernels/objective.py): four graphs reused across TTT steps and chunks.
         loss_fn: LossFn = partial(ttt_loss, regions=compiled_regions()) if compiled else ttt_loss
         # Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens; packed rows all
-        # to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly.
+        # to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly. A step's
+        # last packed micro-batch gets empty rows up to rows_per_micro_batch: one shape, not two.
         fixed_shape: tuple[int | None, int | None] = (None, None)
         if compiled and cfg.pack_tokens is None:
             fixed_shape = (cfg.batch_size, cfg.pad_multiple)
         elif compiled and cfg.pack_tokens is not None:
-            fixed_shape = (None, -(-cfg.pack_tokens // cfg.pad_multiple) * cfg.pad_multiple)
+            row = -(-cfg.pack_tokens // cfg.pad_multiple) * cfg.pad_multiple
+            fixed_shape = (cfg.rows_per_micro_batch, row)
         optimizer = make_optimizer(drafter, cfg)  # (freezes the lm_head unless cfg.train_lm_head)
         params = [p for p in drafter.parameters() if p.requires_grad]
         scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.lr_schedule)
