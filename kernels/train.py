@@ -72,7 +72,8 @@ class TrainConfig:
     compile_cache_dir: str | None = None
     pad_multiple: int = 512
     # Pack samples into rows of at most this many tokens (first-fit decreasing); each micro-batch holds
-    # rows_per_micro_batch packed rows (the step's last one may hold fewer). None: one sample per row.
+    # rows_per_micro_batch packed rows (the step's last one may hold fewer; compiled, it is padded with
+    # empty rows to the same shape). None: one sample per row.
     pack_tokens: int | None = None
     rows_per_micro_batch: int = 1
     # Hand a resume state to on_checkpoint every this many optimizer steps (and after every epoch).
