@@ -215,6 +215,18 @@ def _step_ttt_tokens(samples: Sequence[Mapping[str, Tensor]], cfg: TrainConfig, 
     return tokens
 
 
+def _batch_shape(cfg: TrainConfig, compiled: bool) -> tuple[int | None, int | None]:
+    """(rows, tokens) every micro-batch is padded to, None where it is not. Compiled, few shapes: unpacked
+    batches get batch_size rows of a multiple of pad_multiple tokens; packed ones rows_per_micro_batch rows
+    (a step's last micro-batch gets empty rows) of pack_tokens rounded up to pad_multiple (first-fit
+    decreasing fills them nearly). Eagerly, each batch as it is."""
+    if not compiled:
+        return None, None
+    if cfg.pack_tokens is None:
+        return cfg.batch_size, cfg.pad_multiple
+    return cfg.rows_per_micro_batch, -(-cfg.pack_tokens // cfg.pad_multiple) * cfg.pad_multiple
+
+
 LossFn = Callable[..., tuple[Tensor, Tensor]]
 
 
@@ -261,15 +273,7 @@ class TrainingRun:
             load_compiled(cache_file(cfg.compile_cache_dir, device))
         # Compiled by region (kernels/objective.py): four graphs reused across TTT steps and chunks.
         loss_fn: LossFn = partial(ttt_loss, regions=compiled_regions()) if compiled else ttt_loss
-        # Unpacked batches padded to batch_size rows of a multiple of pad_multiple tokens; packed rows all
-        # to pack_tokens (rounded up to pad_multiple): first-fit decreasing fills them nearly. A step's
-        # last packed micro-batch gets empty rows up to rows_per_micro_batch: one shape, not two.
-        fixed_shape: tuple[int | None, int | None] = (None, None)
-        if compiled and cfg.pack_tokens is None:
-            fixed_shape = (cfg.batch_size, cfg.pad_multiple)
-        elif compiled and cfg.pack_tokens is not None:
-            row = -(-cfg.pack_tokens // cfg.pad_multiple) * cfg.pad_multiple
-            fixed_shape = (cfg.rows_per_micro_batch, row)
+        fixed_shape = _batch_shape(cfg, compiled)
         optimizer = make_optimizer(drafter, cfg)  # (freezes the lm_head unless cfg.train_lm_head)
         params = [p for p in drafter.parameters() if p.requires_grad]
         scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.lr_schedule)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from synthetic_training import new_drafter, synthetic_samples, target_tensors
+from torch import Tensor
 
 from draftloop.kernels.data import InMemorySamples
 from draftloop.kernels.objective import draft_target_head, ttt_loss, ttt_metrics, ttt_weights
@@ -104,3 +105,42 @@ def test_packed_training_equals_unpacked_training() -> None:
             == sum(len(s["input_ids"]) for s in samples)
         )
         assert epoch_rows["packing_efficiency"] > epoch_plain["packing_efficiency"]
+
+
+def test_compiled_shapes_pad_a_steps_last_micro_batch_and_train_the_same_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two packed rows a micro-batch with the shapes a compiled loss gets (kernels/train.py `_batch_shape`,
+    forced here on the CPU): every micro-batch, a step's last one too, has 2 rows of the padded length, one
+    shape; the empty rows count nothing, so the losses and weights are the unpadded run's."""
+    import draftloop.kernels.train as train_module
+
+    embed, lm_head = target_tensors()
+    samples = synthetic_samples(24, seed=5)
+    cfg = TrainConfig(
+        ttt_length=3, epochs=1, batch_size=4, grad_accum=2, show_progress=False, pack_tokens=40,
+        rows_per_micro_batch=2, pad_multiple=8,
+    )  # fmt: skip
+    assert train_module._batch_shape(cfg, compiled=False) == (None, None)
+    assert train_module._batch_shape(cfg, compiled=True) == (2, 40)
+    eager, padded = new_drafter(embed), new_drafter(embed)
+    want = train_drafter(eager, InMemorySamples(samples), lm_head, cfg)
+
+    shapes: list[tuple[int, ...]] = []
+    rows_given: list[int] = []
+    real_collate = train_module.collate_rows
+
+    def recording_collate(rows: list[list[dict[str, Tensor]]], **kwargs: object) -> dict[str, Tensor]:
+        batch = real_collate(rows, **kwargs)  # type: ignore[arg-type]
+        rows_given.append(len(rows))
+        shapes.append(tuple(batch["input_ids"].shape))
+        return batch
+
+    monkeypatch.setattr(train_module, "_batch_shape", lambda c, compiled: (2, 40))
+    monkeypatch.setattr(train_module, "collate_rows", recording_collate)
+    got = train_drafter(padded, InMemorySamples(samples), lm_head, cfg)
+    assert set(shapes) == {(2, 40)}, shapes
+    assert 1 in rows_given, "some step's last micro-batch should hold one row"
+    assert [h["loss"] for h in got.history] == pytest.approx([h["loss"] for h in want.history], rel=1e-5)
+    for name, tensor in eager.state_dict().items():
+        torch.testing.assert_close(padded.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
