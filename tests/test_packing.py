@@ -136,7 +136,8 @@ def test_compiled_shapes_pad_a_steps_last_micro_batch_and_train_the_same_steps(
         shapes.append(tuple(batch["input_ids"].shape))
         return batch
 
-    monkeypatch.setattr(train_module, "_batch_shape", lambda c, compiled: (2, 40))
+    compiled_shape = train_module._batch_shape  # the product's rule, as if compiled
+    monkeypatch.setattr(train_module, "_batch_shape", lambda c, compiled: compiled_shape(c, True))
     monkeypatch.setattr(train_module, "collate_rows", recording_collate)
     got = train_drafter(padded, InMemorySamples(samples), lm_head, cfg)
     assert set(shapes) == {(2, 40)}, shapes
