@@ -1,6 +1,7 @@
 """Online training on a two-node Ray cluster on this machine (Ray's own multi-node test cluster): the
 producers on the node that holds the target (a custom resource), the trainer on the other, each node
-with its own object store. Run as a script by tests/test_online_training.py; prints one JSON line.
+with its own object store. Run as a script by tests/test_online_training.py; writes WORK_DIR/found.json
+(a file, not stdout: Ray's workers log to the same stream and a line of theirs once ran into the JSON).
 
 usage: online_two_nodes.py TARGET_DIR WORK_DIR
 """
@@ -44,7 +45,7 @@ def main() -> None:
             )
         result = json.loads((final / "result.json").read_text())
         nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
-        print(
+        (work / "found.json").write_text(
             json.dumps(
                 {
                     "nodes": nodes,

@@ -286,7 +286,7 @@ def test_two_node_cluster_producers_on_one_node_trainer_on_the_other(
             os.killpg(process.pid, signal.SIGKILL)  # whatever the cluster left
     text = output.decode(errors="replace")
     assert process.returncode == 0, text[-4000:]
-    found = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+    found = json.loads((tmp_path / "found.json").read_text())
     assert len(found["nodes"]) == 2 and set(found["producer_nodes"]) == {found["head"]}
     stream = found["stream"]
     assert stream["bytes_received"] > 0
