@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @dataclass
@@ -21,6 +20,10 @@ def load_target(target_path: str, dtype: str, device: str | None, trust_remote_c
     """Tokenizer and model of `target_path` in `dtype` on `device` (CUDA when there is one).
 
     `trust_remote_code` runs the folder's own code: only for a config's target.trust_remote_code."""
+    # Imported here: transformers' auto classes take seconds to import, and the processes that only
+    # name this module (the driver, a training worker reading stored shards) never load a target.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(target_path, trust_remote_code=trust_remote_code)
