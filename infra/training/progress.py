@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from draftloop.infra.registry.runs import StageRun
 from draftloop.infra.runtime.stage_log import STAGE_LOG
+
+if TYPE_CHECKING:  # the driver's MLflow run; a training worker imports this module without MLflow
+    from draftloop.infra.registry.runs import StageRun
 
 PROGRESS_FILE = "progress.jsonl"
 POLL_SECONDS = 1.0
