@@ -188,3 +188,23 @@ def test_the_checks_find_a_lazy_circle_and_a_kernel_import(tmp_path: Path) -> No
         "k/ops.py:3 imports pkg",
         "k/ops.py:4 imports pydantic",
     ]
+
+
+# What a process that never loads a target model or logs to MLflow must not import: transformers'
+# auto model classes pull in generation and scikit-learn (seconds of CPU per process, in every driver
+# and every training worker of a cycle); a Ray Train worker reports through files, not MLflow.
+_NOT_IMPORTED = {
+    "draftloop.infra.training.worker": ("transformers.models.auto.modeling_auto", "sklearn", "mlflow"),
+    "draftloop.flows.train_and_eval": ("transformers.models.auto.modeling_auto", "sklearn"),
+}
+
+
+def test_drivers_and_training_workers_import_no_model_classes() -> None:
+    import subprocess
+
+    for module, heavy in _NOT_IMPORTED.items():
+        probe = f"import sys, {module}; print(' '.join(n for n in {heavy!r} if n in sys.modules))"
+        found = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+        ).stdout.split()
+        assert not found, f"importing {module} imports {found}"
