@@ -40,6 +40,7 @@ from draftloop.infra.runtime.config import ExperimentConfig
 from draftloop.infra.runtime.processes import PidRecord, pid_records_dir
 from draftloop.infra.runtime.storage import exists, join, read_text, storage_options, write_text_atomic
 from draftloop.infra.runtime.sweeps import SweepPlan, SweepVariant, plan_sweep
+from draftloop.infra.targets.loaded import resolve_auto_classes
 
 DEFAULT_CONFIG = "configs/tiny-llama.yaml"
 
@@ -209,6 +210,7 @@ def _run_all(
     Ray this sweep starts and stops (recorded by PID, so a killed sweep's Ray is reaped)."""
     if parallel <= 1 or len(todo) <= 1:
         return {variant.key: run_variant(variant) for variant in todo}
+    resolve_auto_classes()  # before the threads: transformers' lazy names are not thread-safe
     pids = PidRecord(pid_records_dir() / f"sweep-{current_flow_run.id or 'cli'}.json")
     pids.claim()
     started = ray_cluster.ensure_ray(config.ray.address, pids)

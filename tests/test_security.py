@@ -222,16 +222,18 @@ def test_an_exposed_engine_gets_its_key_and_clients_send_it(tmp_path: Path) -> N
 
 
 def test_trust_remote_code_is_off_unless_the_config_trusts_the_target(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from draftloop.infra.extraction import extractor
     from draftloop.infra.synthesis import generator
-    from draftloop.infra.targets import loaded
 
     config = ExperimentConfig.from_dict(_raw_config(tmp_path, {}), check_environment=False)
     assert config.target.trust_remote_code is False
     with (
-        # Both actors load the target through the one loader.
-        mock.patch.object(loaded.AutoTokenizer, "from_pretrained") as tokenizer,
-        mock.patch.object(loaded.AutoModelForCausalLM, "from_pretrained") as model,
+        # Both actors load the target through the one loader (infra/targets/loaded.py), which takes
+        # these classes from transformers when it loads.
+        mock.patch.object(AutoTokenizer, "from_pretrained") as tokenizer,
+        mock.patch.object(AutoModelForCausalLM, "from_pretrained") as model,
     ):
         generator.TargetGenerator(config.target.path, device="cpu")
         extractor.HiddenStateExtractor(config.target.path, [0, 1, 2], "layer_input", device="cpu")

@@ -31,3 +31,11 @@ def load_target(target_path: str, dtype: str, device: str | None, trust_remote_c
         target_path, dtype=torch_dtype, trust_remote_code=trust_remote_code
     )
     return LoadedTarget(tokenizer, model.to(device).eval(), device, torch_dtype)
+
+
+def resolve_auto_classes() -> None:
+    """Import transformers' auto classes now, on this thread. transformers resolves its names lazily and
+    that resolution is not thread-safe: two threads that first name AutoTokenizer at once (a sweep's
+    variants evaluating side by side) can fail with "cannot import name 'AutoTokenizer'". Called before
+    stage code runs in threads; a process that never loads a target never pays the import."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
