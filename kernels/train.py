@@ -10,6 +10,7 @@ micro-batches, the packing or the number of workers.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -31,6 +32,7 @@ from .train_state import EpochTally, StepSums, TrainedCounts, TrainState, cpu_co
 
 __all__ = [
     "LrSchedule",
+    "StepFeed",
     "TrainConfig",
     "TrainResult",
     "TrainingRun",
@@ -187,24 +189,31 @@ def _copied_ahead(
     device: torch.device,
 ) -> Iterator[dict[str, Tensor]]:
     """The collated micro-batches in order. On CUDA each one is collated, and copied to the GPU on a side
-    stream, before the one ahead of it is handed out: on the compute stream its copies would wait for
-    the kernels queued before them and hold every kernel queued after (~2% of an H100 step)."""
+    stream, when the one before it has been handed out (its kernels queued): on the compute stream its
+    copies would wait for the kernels queued before them and hold every kernel queued after (~2% of an
+    H100 step); collated before the one ahead of it is handed out, the GPU waits for two collates at a
+    step's start instead of one."""
     if device.type != "cuda":
         yield from (collate(rows) for rows in micro_batches)
         return
     compute, copies = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    queued: list[tuple[dict[str, Tensor], torch.cuda.Event]] = []
-    for index in range(len(micro_batches) + 1):
-        if index < len(micro_batches):
-            with torch.cuda.stream(copies):
-                queued.append((collate(micro_batches[index]), torch.cuda.Event()))
-                queued[-1][1].record(copies)
-        if index:
-            batch, copied = queued.pop(0)
-            compute.wait_event(copied)
-            for tensor in batch.values():
-                tensor.record_stream(compute)  # (its memory is not reused while the step reads it)
-            yield batch
+    for rows in micro_batches:
+        with torch.cuda.stream(copies):
+            batch, copied = collate(rows), torch.cuda.Event()
+            copied.record(copies)
+        compute.wait_event(copied)
+        for tensor in batch.values():
+            tensor.record_stream(compute)  # (its memory is not reused while the step reads it)
+        yield batch
+
+
+@dataclass(frozen=True)
+class StepFeed:
+    """One optimizer step's share and its micro-batches, the first already collated and on its way to
+    the device (`TrainingRun.feed`)."""
+
+    share: StepShare
+    batches: Iterator[dict[str, Tensor]]
 
 
 def _step_ttt_tokens(samples: Sequence[Mapping[str, Tensor]], cfg: TrainConfig, world: int) -> Tensor:
@@ -292,17 +301,10 @@ class TrainingRun:
         loss.backward()
         return loss, terms
 
-    def train_step(self, share: StepShare, step: int, epoch: int) -> dict[str, Any]:
-        """One optimizer step on this rank's ``share`` (every rank calls it for every step); returns the
-        step's record, summed over ranks."""
-        cfg, world = self.cfg, self.world
-        # N_j = counted positions of TTT step j in the whole optimizer step (every rank); the step's
-        # loss is L = sum_j decay^j * (sum of CE_j over those positions) / N_j.
-        step_tokens = _step_ttt_tokens(share.samples, cfg, world)
-        step_tokens_on_device = step_tokens.to(self.device)  # once: a host copy waits for the GPU
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = StepSums(cfg.ttt_length, self.device)
-        # This rank's micro-batches: their backward passes add up to its part of dL/dθ.
+    def feed(self, share: StepShare) -> StepFeed:
+        """``share``'s micro-batches, the first collated and its copy queued now: called while the step
+        before runs, the GPU does not wait for it when that step ends."""
+        cfg = self.cfg
         collate = partial(
             collate_rows,
             device=self.device,
@@ -312,7 +314,25 @@ class TrainingRun:
             packed=cfg.pack_tokens is not None,
             ttt_length=cfg.ttt_length,
         )
-        for batch in _copied_ahead(_micro_batch_rows(share.samples, cfg), collate, self.device):
+        batches = _copied_ahead(_micro_batch_rows(share.samples, cfg), collate, self.device)
+        first = next(batches, None)
+        return StepFeed(share, batches if first is None else itertools.chain([first], batches))
+
+    def train_step(
+        self, feed: StepFeed, step: int, epoch: int, upcoming: Iterator[StepShare] = iter(())
+    ) -> tuple[dict[str, Any], StepFeed | None]:
+        """One optimizer step on this rank's share (every rank calls it for every step); returns the
+        step's record, summed over ranks, and the feed of ``upcoming``'s next share (None when it has
+        none), taken once this step's kernels are queued and before the step's figures are read."""
+        cfg, world, share = self.cfg, self.world, feed.share
+        # N_j = counted positions of TTT step j in the whole optimizer step (every rank); the step's
+        # loss is L = sum_j decay^j * (sum of CE_j over those positions) / N_j.
+        step_tokens = _step_ttt_tokens(share.samples, cfg, world)
+        step_tokens_on_device = step_tokens.to(self.device)  # once: a host copy waits for the GPU
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = StepSums(cfg.ttt_length, self.device)
+        # This rank's micro-batches: their backward passes add up to its part of dL/dθ.
+        for batch in feed.batches:
             loss, terms = self.forward_backward(batch, step_tokens_on_device)
             sums.add(loss, terms, batch)
         # dL/dθ = the sum of every rank's part (an idle rank adds zeros); clip, then one AdamW step.
@@ -320,6 +340,10 @@ class TrainingRun:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
+        # The next step's data read and its first micro-batch collated while this step's kernels run
+        # (reading the record below waits for them: the GPU would idle through both).
+        following = next(upcoming, None)
+        next_feed = self.feed(following) if following is not None else None
         record = sums.across_ranks(world).record(step_tokens)
         record.update(
             step=step,
@@ -328,7 +352,7 @@ class TrainingRun:
             lr=self.optimizer.param_groups[0]["lr"],
             grad_norm=float(grad_norm),
         )
-        return record
+        return record, next_feed
 
 
 def train_drafter(
@@ -378,10 +402,12 @@ def train_drafter(
                 state.tally = EpochTally.empty(cfg.ttt_length)
             if state.trained is None:  # (a resume state from before the counts: they start here)
                 state.trained = TrainedCounts(data.num_samples)
-            for share in data.rank_steps(
-                state.epoch, cfg.seed, cfg.samples_per_step, state.consumed, rank, world
-            ):
-                record = run.train_step(share, state.global_step + 1, state.epoch)
+            shares = data.rank_steps(state.epoch, cfg.seed, cfg.samples_per_step, state.consumed, rank, world)
+            first = next(shares, None)
+            feed = run.feed(first) if first is not None else None
+            while feed is not None:
+                share = feed.share
+                record, feed = run.train_step(feed, state.global_step + 1, state.epoch, shares)
                 if run.compile_cache is not None and rank == 0 and not saved_compiled:
                     save_compiled(run.compile_cache)  # the first step compiled what later steps reuse
                     saved_compiled = True

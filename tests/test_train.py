@@ -369,3 +369,38 @@ def test_collate_pads_to_fixed_shapes(target_and_samples) -> None:  # type: igno
         metrics_plain, metrics_fixed = ttt_metrics(terms_plain), ttt_metrics(terms_fixed)
     assert metrics_fixed["tokens"] == metrics_plain["tokens"]
     torch.testing.assert_close(loss_fixed, loss_plain)
+
+
+def test_the_next_steps_first_micro_batch_is_collated_before_a_step_is_read(  # type: ignore[no-untyped-def]
+    target_and_samples, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a step's kernels run, the loop reads the next step's share and collates its first micro-batch
+    (kernels/train.py `TrainingRun.feed`): reading the step's figures waits for the GPU, which would
+    otherwise idle through both. Each micro-batch is collated once, and the result is the same."""
+    import draftloop.kernels.train as train_module
+
+    model, samples = target_and_samples
+    cfg = TrainConfig(ttt_length=2, epochs=2, batch_size=2, grad_accum=2, lr=1e-3, show_progress=False)
+    events: list[str] = []
+    real_collate, real_record = train_module.collate_rows, train_module.StepSums.record
+
+    def collate(rows: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        events.append("collate")
+        return real_collate(rows, *args, **kwargs)
+
+    def record(self: Any, step_tokens: torch.Tensor) -> dict[str, Any]:
+        events.append("read")
+        return real_record(self, step_tokens)
+
+    monkeypatch.setattr(train_module, "collate_rows", collate)
+    monkeypatch.setattr(train_module.StepSums, "record", record)
+    head = model.lm_head.weight.detach()
+    result = train_drafter(new_drafter(model), InMemorySamples(samples), head, cfg)
+    # 16 samples, 4 a step, 2 a micro-batch: 4 steps an epoch, 2 micro-batches a step. Each step's read
+    # comes after the next step's first collate, except an epoch's last step (nothing follows it).
+    epoch = ["collate", *(["collate", "collate", "read"] * 3), "collate", "read"]
+    assert events == epoch * 2, events
+    assert len(result.history) == 8
+    monkeypatch.undo()
+    again = train_drafter(new_drafter(model), InMemorySamples(samples), head, cfg)
+    assert [h["loss"] for h in again.history] == [h["loss"] for h in result.history]
