@@ -189,10 +189,10 @@ def _copied_ahead(
     device: torch.device,
 ) -> Iterator[dict[str, Tensor]]:
     """The collated micro-batches in order. On CUDA each one is collated, and copied to the GPU on a side
-    stream, when the one before it has been handed out (its kernels queued): on the compute stream its
+    stream, once the one before it has been handed out (its kernels queued): on the compute stream its
     copies would wait for the kernels queued before them and hold every kernel queued after (~2% of an
-    H100 step); collated before the one ahead of it is handed out, the GPU waits for two collates at a
-    step's start instead of one."""
+    H100 step). (Collated before the one before it was handed out, a step's first kernel waited for two
+    collates.)"""
     if device.type != "cuda":
         yield from (collate(rows) for rows in micro_batches)
         return
