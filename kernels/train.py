@@ -319,7 +319,7 @@ class TrainingRun:
         return StepFeed(share, batches if first is None else itertools.chain([first], batches))
 
     def train_step(
-        self, feed: StepFeed, step: int, epoch: int, upcoming: Iterator[StepShare] = iter(())
+        self, feed: StepFeed, step: int, epoch: int, upcoming: Iterator[StepShare]
     ) -> tuple[dict[str, Any], StepFeed | None]:
         """One optimizer step on this rank's share (every rank calls it for every step); returns the
         step's record, summed over ranks, and the feed of ``upcoming``'s next share (None when it has
